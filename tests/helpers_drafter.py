@@ -1,0 +1,47 @@
+"""Tiny random drafters and vocab maps for the drafter / vocab / TTT tests."""
+
+from __future__ import annotations
+
+import torch
+
+from train.drafter import DrafterConfig, Eagle3Drafter
+from train.vocab import build_vocab_mapping
+
+
+def tiny_config(**overrides) -> DrafterConfig:
+    kw = dict(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=48,
+        vocab_size=64,
+        draft_vocab_size=24,
+        target_hidden_size=20,
+        aux_layer_ids=[1, 2, 4],
+        target_num_layers=8,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=256,
+    )
+    kw.update(overrides)
+    return DrafterConfig(**kw)
+
+
+def tiny_drafter(seed: int = 0, **overrides) -> Eagle3Drafter:
+    """Random drafter with non-trivial norm weights and a non-identity draft vocab."""
+    torch.manual_seed(seed)
+    cfg = tiny_config(**overrides)
+    d = Eagle3Drafter(cfg)
+    with torch.no_grad():
+        d.embed_tokens.weight.normal_(0, 1.0)
+        for name, p in d.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            elif p.dim() == 2 and p.requires_grad:
+                p.normal_(0, p.shape[1] ** -0.5)  # O(1) activations at every step
+    g = torch.Generator().manual_seed(seed + 1)
+    counts = torch.randint(0, 1000, (cfg.vocab_size,), generator=g)
+    d2t, t2d = build_vocab_mapping(counts, cfg.draft_vocab_size)
+    d.set_vocab_mapping(d2t, t2d)
+    return d

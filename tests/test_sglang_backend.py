@@ -1,0 +1,381 @@
+"""SGLang adapter: argument building and response parsing in SGLang 0.5.23's shapes, without a GPU.
+
+SGLang cannot run here, so the pure pieces are tested on response dicts shaped like
+``sglang/srt/managers/tokenizer_manager.py`` builds them, and the whole backend is driven once by a
+stand-in ``sglang`` module whose engine computes those responses from a tiny HF model. That end-to-end
+check compares the result with the HF backend, which catches off-by-one errors in the teacher rows
+and the layer-id conversion.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from extract import layers
+from extract.backends.base import GenerationConfig, TeacherSpec
+from extract.backends.sglang import (
+    LANGUAGE_MODEL_ONLY_ARCHITECTURES,
+    SGLANG_MISSING,
+    SGLangTarget,
+    build_engine_kwargs,
+    capture_request,
+    check_lengths,
+    check_teacher,
+    generation_request,
+    is_multimodal_config,
+    parse_capture_output,
+    parse_generate_output,
+    read_target_info,
+)
+
+HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Responses in SGLang's shape
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _row(ids_lps: list[tuple[int, float]]) -> list[tuple]:
+    """A top-logprobs row as SGLang returns it in process: (logprob, token_id, text) tuples."""
+    return [(lp, i, None) for i, lp in ids_lps]
+
+
+def _response(n: int, width: int, k: int, *, cached: int = 0, hidden_rows: int | None = None) -> dict:
+    """A capture response for an n-token prompt, with teacher row t's top id = 100 + t."""
+    rows = [[float(t * width + j) for j in range(width)] for t in range(hidden_rows if hidden_rows is not None else n)]
+    teacher = [_row([(100 + t, -0.1), *((200 + t * 10 + j, -1.0 - j) for j in range(k - 1))]) for t in range(n)]
+    return {
+        "output_ids": [100 + n - 1],
+        "meta_info": {
+            "prompt_tokens": n,
+            "completion_tokens": 1,
+            "cached_tokens": cached,
+            "finish_reason": {"type": "length", "length": 1},
+            "hidden_states": [rows],
+            "input_top_logprobs": [None, *teacher[:-1]],  # leading placeholder, last row popped
+            "output_top_logprobs": [teacher[-1]],
+        },
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Engine arguments
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_engine_kwargs_turn_on_aux_capture_and_off_everything_that_drops_tokens():
+    kw = build_engine_kwargs("/models/t", engine_layer_ids=[1, 14, 26], architecture="LlamaForCausalLM",
+                             tp_size=8, ep_size=8, dtype="bfloat16", mem_fraction_static=0.7, max_length=4096)
+    assert kw == {
+        "model_path": "/models/t", "tp_size": 8, "ep_size": 8, "dtype": "bfloat16", "mem_fraction_static": 0.7,
+        "trust_remote_code": False, "enable_return_aux_hidden_states": True, "speculative_algorithm": "EAGLE3",
+        "return_aux_hidden_state_layer_ids": [1, 14, 26], "disable_radix_cache": True,
+        "chunked_prefill_size": -1, "enable_two_batch_overlap": False, "skip_tokenizer_init": True,
+    }
+
+
+def test_language_model_only_only_for_multimodal_architectures_sglang_supports():
+    base = dict(engine_layer_ids=[2, 30, 58])
+    kw = build_engine_kwargs("/m", architecture=LANGUAGE_MODEL_ONLY_ARCHITECTURES[0], multimodal=True, **base)
+    assert kw["language_model_only"] is True
+    # SGLang 0.5.23 rejects language_model_only for Kimi-K2.5, so it is not set (the encoder just loads).
+    kw = build_engine_kwargs("/m", architecture="KimiK25ForConditionalGeneration", multimodal=True, **base)
+    assert "language_model_only" not in kw
+    kw = build_engine_kwargs("/m", architecture=LANGUAGE_MODEL_ONLY_ARCHITECTURES[0], multimodal=False, **base)
+    assert "language_model_only" not in kw
+    kw = build_engine_kwargs("/m", architecture="KimiK25ForConditionalGeneration", multimodal=True,
+                             language_model_only_architectures=("KimiK25ForConditionalGeneration",), **base)
+    assert kw["language_model_only"] is True
+
+
+def test_engine_kwargs_accept_extras_but_refuse_to_break_capture():
+    base = dict(engine_layer_ids=[1, 2, 3], architecture="LlamaForCausalLM", max_length=4096)
+    kw = build_engine_kwargs("/m", engine_kwargs={"attention_backend": "fa3", "chunked_prefill_size": 8192}, **base)
+    assert kw["attention_backend"] == "fa3" and kw["chunked_prefill_size"] == 8192
+    assert build_engine_kwargs("/m", engine_kwargs={"disable_radix_cache": True}, **base)["disable_radix_cache"]
+    for bad in ({"disable_radix_cache": False}, {"enable_two_batch_overlap": True},
+                {"speculative_draft_model_path": "/d"}, {"return_aux_hidden_state_layer_ids": [5]},
+                {"chunked_prefill_size": 2048}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            build_engine_kwargs("/m", engine_kwargs=bad, **base)
+
+
+def test_multimodal_detection():
+    assert is_multimodal_config({"architectures": ["KimiK25ForConditionalGeneration"], "text_config": {}})
+    assert is_multimodal_config({"vision_config": {}})
+    assert not is_multimodal_config({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 30})
+
+
+@pytest.mark.skipif(not HAVE_SGLANG, reason="checks names against an installed SGLang (GPU machines)")
+def test_engine_kwargs_are_real_server_args_fields():
+    from sglang.srt.server_args import ServerArgs
+
+    kw = build_engine_kwargs("/m", engine_layer_ids=[1, 2, 3], architecture="LlamaForCausalLM",
+                             multimodal=True, language_model_only_architectures=("LlamaForCausalLM",))
+    fields = {name for klass in ServerArgs.__mro__ for name in getattr(klass, "__annotations__", {})}
+    fields |= set(dir(ServerArgs))
+    assert set(kw) <= fields, sorted(set(kw) - fields)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Requests
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_capture_request_asks_for_prompt_logprobs_and_hidden_states():
+    req = capture_request([[1, 2, 3], [4]], 8)
+    assert req == {
+        "input_ids": [[1, 2, 3], [4]], "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+        "return_hidden_states": True, "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 8,
+    }
+
+
+def test_generation_request_carries_sampling_and_stops():
+    greedy = generation_request([[1, 2]], GenerationConfig(max_new_tokens=16), [2, 7])
+    assert greedy["input_ids"] == [[1, 2]]
+    assert greedy["sampling_params"] == {"max_new_tokens": 16, "temperature": 0.0, "top_p": 1.0,
+                                         "stop_token_ids": [2, 7], "no_stop_trim": True}
+    sampled = generation_request([[1]], GenerationConfig(temperature=0.7, top_p=0.9, seed=5), [2])
+    assert sampled["sampling_params"]["sampling_seed"] == 5 and sampled["sampling_params"]["top_p"] == 0.9
+
+
+def test_only_topk_teacher_is_possible():
+    check_teacher(TeacherSpec(kinds=("topk",)))
+    for kinds in (("last_hidden",), ("topk", "last_hidden")):
+        with pytest.raises(ValueError, match="--backend hf"):
+            check_teacher(TeacherSpec(kinds=kinds))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Response parsing
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_parse_capture_aligns_teacher_rows_with_positions():
+    n, width, k = 5, 6, 3
+    cap = parse_capture_output(_response(n, width, k), k, aux_width=width)
+    assert cap.aux_hidden.dtype == torch.float32 and cap.aux_hidden.shape == (n, width)
+    assert cap.aux_hidden[2, 1].item() == 2 * width + 1
+    assert cap.topk_ids.dtype == torch.int64 and cap.topk_ids.shape == (n, k)
+    assert cap.topk_logprobs.dtype == torch.float32 and cap.topk_logprobs.shape == (n, k)
+    assert cap.topk_ids[:, 0].tolist() == [100 + t for t in range(n)]  # row t = distribution after token t
+    assert cap.topk_ids[3].tolist() == [103, 230, 231]
+    assert torch.all(cap.topk_logprobs[:, :-1] >= cap.topk_logprobs[:, 1:])
+    assert cap.last_hidden is None
+
+
+def test_parse_capture_sorts_rows_keeps_k_and_reads_json_lists():
+    resp = _response(3, 4, 4)
+    meta = resp["meta_info"]
+    meta["input_top_logprobs"][1] = [[-3.0, 9, "a"], [-0.5, 7, "b"], [-2.0, 8, None], [-4.0, 6, None]]
+    cap = parse_capture_output(resp, 2)
+    assert cap.topk_ids[0].tolist() == [7, 8]
+    assert cap.topk_logprobs[0].tolist() == [-0.5, -2.0]
+    assert cap.topk_ids.shape == (3, 2)
+
+
+def test_parse_capture_single_token_prompt_uses_output_row():
+    cap = parse_capture_output(_response(1, 4, 2), 2)
+    assert cap.aux_hidden.shape == (1, 4) and cap.topk_ids[0, 0].item() == 100
+
+
+def test_parse_capture_errors_are_specific():
+    resp = _response(4, 6, 3)
+    del resp["meta_info"]["hidden_states"]
+    with pytest.raises(ValueError, match="enable_return_aux_hidden_states"):
+        parse_capture_output(resp, 3)
+    with pytest.raises(ValueError, match="need teacher k=5"):
+        parse_capture_output(_response(4, 6, 3), 5)
+    with pytest.raises(ValueError, match="width 6, expected 18"):
+        parse_capture_output(_response(4, 6, 3), 3, aux_width=18)
+    resp = _response(4, 6, 3)
+    resp["meta_info"]["hidden_states"] = [[0.0] * 6]  # return_hidden_states="last" shape
+    with pytest.raises(ValueError, match="last"):
+        parse_capture_output(resp, 3)
+    resp = _response(4, 6, 3)
+    del resp["meta_info"]["output_top_logprobs"]
+    with pytest.raises(ValueError, match="logprob_start_len=0"):
+        parse_capture_output(resp, 3)
+
+
+def test_check_lengths_catches_dropped_tokens():
+    prompts = [[1] * 5, [2] * 3]
+    check_lengths(prompts, [_response(5, 4, 2), _response(3, 4, 2)])
+    with pytest.raises(ValueError, match="chunked prefill"):
+        check_lengths(prompts, [_response(5, 4, 2, hidden_rows=2), _response(3, 4, 2)])
+    with pytest.raises(ValueError, match="sample #1.*radix cache"):
+        check_lengths(prompts, [_response(5, 4, 2), _response(3, 4, 2, cached=2)])
+    with pytest.raises(ValueError, match="1 responses for 2 prompts"):
+        check_lengths(prompts, [_response(5, 4, 2)])
+    with pytest.raises(ValueError, match="prompt_tokens=5"):
+        check_lengths([[1] * 4], [_response(5, 4, 2)])
+
+
+def test_parse_generate_output_ends_with_the_matched_stop():
+    stop = {"type": "stop", "matched": 2}
+    assert parse_generate_output({"output_ids": [5, 6, 2], "meta_info": {"finish_reason": stop}}) == [5, 6, 2]
+    assert parse_generate_output({"output_ids": [5, 6], "meta_info": {"finish_reason": stop}}) == [5, 6, 2]
+    length = {"type": "length", "length": 3}
+    assert parse_generate_output({"output_ids": [5, 6, 7], "meta_info": {"finish_reason": length}}) == [5, 6, 7]
+    by_str = {"type": "stop", "matched": "</s>"}
+    assert parse_generate_output({"output_ids": [5], "meta_info": {"finish_reason": by_str}}) == [5]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Target facts and the missing-SGLang error
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(HAVE_SGLANG, reason="SGLang is installed here")
+def test_missing_sglang_raises_clear_error(tmp_path):
+    with pytest.raises(RuntimeError) as e:
+        SGLangTarget(str(tmp_path))
+    assert "pip install 'redraft[sglang]'" in str(e.value) and "--backend hf" in str(e.value)
+    assert str(e.value) == SGLANG_MISSING
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    from helpers_models import make_tiny_deepseek_v3, make_tiny_llama, make_wrapped_model
+
+    root = tmp_path_factory.mktemp("sglang-targets")
+    return {
+        "llama": make_tiny_llama(root / "llama", num_layers=8),
+        "llama_tied": make_tiny_llama(root / "llama_tied", num_layers=4, tie_word_embeddings=True),
+        "deepseek_v3": make_tiny_deepseek_v3(root / "dsv3", num_layers=6),
+        "wrapped": make_wrapped_model(root / "wrapped", num_layers=6, text="deepseek_v3"),
+    }
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama_tied", "deepseek_v3", "wrapped"])
+def test_target_info_matches_the_hf_backend(tiny_models, kind):
+    from extract.backends.hf import HFTarget
+
+    path = tiny_models[kind]
+    ours = read_target_info(path, name="t")
+    theirs = HFTarget(str(path), name="t").info
+    assert dataclasses.asdict(ours) == dataclasses.asdict(theirs)
+
+
+def test_target_info_custom_ids_and_errors(tiny_models, tmp_path):
+    info = read_target_info(tiny_models["llama"], aux_layer_ids=[5, 0, 3])
+    assert info.aux_layer_ids == (0, 3, 5)
+    with pytest.raises(ValueError, match="out of range"):
+        read_target_info(tiny_models["llama"], aux_layer_ids=[0, 3, 8])
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        read_target_info(tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# End to end through a stand-in sglang module
+# ---------------------------------------------------------------------------------------------------------
+
+
+class _StandInEngine:
+    """Answers like sglang.Engine does for a llama-family target, computed with transformers.
+
+    Capture point (sglang/srt/models/llama.py::set_eagle3_layers_to_capture): engine id v is captured
+    at the input of layer v + 1, i.e. HF hidden_states[v + 1].
+    """
+
+    started: list[dict] = []
+
+    def __init__(self, **kwargs):
+        from transformers import AutoModelForCausalLM
+
+        assert kwargs["enable_return_aux_hidden_states"] and kwargs["disable_radix_cache"]
+        self.kwargs = kwargs
+        self.model = AutoModelForCausalLM.from_pretrained(kwargs["model_path"], dtype=torch.float32).eval()
+        self.shut = False
+        _StandInEngine.started.append(kwargs)
+
+    def _one_capture(self, ids: list[int], k: int) -> dict:
+        with torch.inference_mode():
+            out = self.model(torch.tensor([ids]), output_hidden_states=True)
+        capture = [v + 1 for v in self.kwargs["return_aux_hidden_state_layer_ids"]]
+        aux = torch.cat([out.hidden_states[i][0] for i in capture], dim=-1)
+        lp = torch.log_softmax(out.logits[0].float(), dim=-1)
+        vals, idx = lp.topk(k, dim=-1)
+        rows = [[(v, i, None) for v, i in zip(vr, ir, strict=True)] for vr, ir in zip(vals.tolist(), idx.tolist(),
+                                                                                       strict=True)]
+        return {
+            "output_ids": [int(idx[-1, 0])],
+            "meta_info": {"prompt_tokens": len(ids), "cached_tokens": 0, "hidden_states": [aux.tolist()],
+                          "input_top_logprobs": [None, *rows[:-1]], "output_top_logprobs": [rows[-1]],
+                          "finish_reason": {"type": "length", "length": 1}},
+        }
+
+    def _one_generation(self, ids: list[int], params: dict) -> dict:
+        seq, new = list(ids), []
+        finish: dict = {"type": "length", "length": params["max_new_tokens"]}
+        for _ in range(params["max_new_tokens"]):
+            with torch.inference_mode():
+                tok = int(self.model(torch.tensor([seq])).logits[0, -1].argmax())
+            seq.append(tok)
+            new.append(tok)
+            if tok in params["stop_token_ids"]:
+                finish = {"type": "stop", "matched": tok}
+                break
+        return {"output_ids": new, "meta_info": {"finish_reason": finish}}
+
+    def generate(self, input_ids, sampling_params, return_hidden_states=False, return_logprob=False,
+                 logprob_start_len=None, top_logprobs_num=None):
+        assert not self.shut
+        if return_hidden_states:
+            assert return_logprob and logprob_start_len == 0 and sampling_params["max_new_tokens"] == 1
+            return [self._one_capture(ids, top_logprobs_num) for ids in input_ids]
+        return [self._one_generation(ids, sampling_params) for ids in input_ids]
+
+    def shutdown(self):
+        self.shut = True
+
+
+@pytest.fixture
+def stand_in_sglang(monkeypatch):
+    module = types.ModuleType("sglang")
+    module.Engine = _StandInEngine
+    module.__version__ = "stand-in"
+    monkeypatch.setitem(sys.modules, "sglang", module)
+    _StandInEngine.started.clear()
+    return module
+
+
+def test_backend_end_to_end_matches_hf(tiny_models, stand_in_sglang):
+    from extract.backends.hf import HFTarget
+
+    path = str(tiny_models["llama"])
+    target = SGLangTarget(path, name="tiny", tp_size=2, dtype="float32", max_length=64)
+    kw = _StandInEngine.started[-1]
+    assert kw["tp_size"] == 2 and kw["skip_tokenizer_init"] is True
+    assert kw["return_aux_hidden_state_layer_ids"] == layers.to_engine_layer_ids(
+        target.info.aux_layer_ids, "sglang", "LlamaForCausalLM")
+    hf = HFTarget(path, name="tiny")
+    assert target.info == hf.info
+
+    batch = [[1, 40, 41, 42, 43, 44], [1, 50, 51]]
+    teacher = TeacherSpec(kinds=("topk",), topk=4)
+    ours, ref = target.capture(batch, teacher), hf.capture(batch, teacher)
+    for a, b in zip(ours, ref, strict=True):
+        torch.testing.assert_close(a.aux_hidden, b.aux_hidden, atol=1e-4, rtol=1e-4)
+        assert torch.equal(a.topk_ids, b.topk_ids)
+        torch.testing.assert_close(a.topk_logprobs, b.topk_logprobs, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="last_hidden"):
+        target.capture(batch, TeacherSpec(kinds=("topk", "last_hidden")))
+    with pytest.raises(ValueError, match="max_length=64"):
+        target.capture([[1] * 65], teacher)
+
+    gen = GenerationConfig(max_new_tokens=5)
+    assert target.generate(batch, gen, [2]) == hf.generate(batch, gen, [2])
+
+    target.close()
+    assert target.engine is None
+    with pytest.raises(RuntimeError, match="shut down"):
+        target.capture(batch, teacher)
