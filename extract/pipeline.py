@@ -327,7 +327,7 @@ def run_extraction(cfg: ExtractConfig) -> ExtractSummary:
                           max_records=cfg.max_samples or None)
     records = parsed.records
     log.info("read %d records from %d input(s); skipped %s", len(records), len(inputs), dict(parsed.skipped) or "none")
-    target_path = resolve_target(cfg.target) if cfg.backend == "hf" else Path(cfg.target)
+    target_path = resolve_target(cfg.target)
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -173,6 +173,8 @@ def test_from_target_layouts_and_overrides():
     assert v5.rope_theta == 50000.0 and v5.rope_scaling == yarn
     v4 = DrafterConfig.from_target(_info(rope={"rope_theta": 50000.0, "rope_scaling": yarn}), 100)
     assert v4 == v5
+    flat = DrafterConfig.from_target(_info(rope={"rope_theta": 50000.0, **yarn}), 100)
+    assert flat == v5
     plain = DrafterConfig.from_target(_info(rope={"rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}}),
                                       100)
     assert plain.rope_scaling is None and plain.rope_theta == 1e6

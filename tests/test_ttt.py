@@ -381,7 +381,7 @@ def test_sdpa_attention_matches_eager():
     sdpa = ttt_forward(d, **kw)
     sdpa.loss.backward()
     keep = real.bool()
-    for a, b in zip(eager.logits, sdpa.logits):
+    for a, b in zip(eager.logits, sdpa.logits, strict=True):
         torch.testing.assert_close(b[keep], a[keep], atol=1e-5, rtol=1e-5)
         assert torch.isfinite(b).all()
     torch.testing.assert_close(sdpa.loss, eager.loss, atol=1e-6, rtol=1e-6)

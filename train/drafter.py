@@ -162,6 +162,8 @@ class DrafterConfig:
 def _parse_rope(rope: Mapping[str, Any], info: Mapping[str, Any]) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling or None) from either transformers layout."""
     params = rope.get("rope_parameters")
+    if params is None and ("rope_type" in rope or "type" in rope):
+        params = rope  # a flat transformers-5 rope_parameters dict
     if isinstance(params, Mapping) and ("rope_theta" in params or "rope_type" in params):
         params = dict(params)
         theta = float(params.pop("rope_theta", rope.get("rope_theta", info.get("rope_theta", 10000.0))))

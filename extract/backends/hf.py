@@ -75,7 +75,7 @@ def _text_architecture(model: nn.Module, text_cfg: Any, architecture: str) -> st
     return name[: -len("Model")] + "ForCausalLM" if name.endswith("Model") else architecture
 
 
-def _rope(text_cfg: Any) -> dict[str, Any]:
+def rope_info(text_cfg: Any) -> dict[str, Any]:
     """rope_theta plus the scaling dict, as the config has them (transformers 5 keeps rope_parameters)."""
     params = getattr(text_cfg, "rope_parameters", None)
     scaling = getattr(text_cfg, "rope_scaling", None)
@@ -174,7 +174,7 @@ class HFTarget(TargetBackend):
             intermediate_size=int(text_cfg.intermediate_size),
             rms_norm_eps=float(getattr(text_cfg, "rms_norm_eps", 1e-6)),
             max_position_embeddings=int(text_cfg.max_position_embeddings),
-            rope=_rope(text_cfg),
+            rope=rope_info(text_cfg),
             embed_key=embed_key,
             lm_head_key=lm_head_key,
         )

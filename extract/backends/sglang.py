@@ -281,7 +281,7 @@ def parse_capture_output(output: Mapping[str, Any], teacher_k: int, *, aux_width
         raise ValueError(f"{len(top_in)} input_top_logprobs rows for {n} hidden-state rows")
     ids, lps = [], []
     for t in range(n):
-        row = top_in[t] if t > 0 else top_out[0]
+        row = top_in[t + 1] if t + 1 < n else top_out[0]
         where = f"teacher row {t}" + (" (output_top_logprobs[0])" if t + 1 >= n else "")
         i, lp = _topk_row(row, teacher_k, where)
         ids.append(i)
@@ -355,7 +355,7 @@ def read_target_info(
 
     Field for field the same as the HF backend's, so datasets from either backend describe a target alike.
     """
-    from extract.backends.hf import _rope, config_hash, resolve_weight_keys, weight_file_keys
+    from extract.backends.hf import config_hash, resolve_weight_keys, rope_info, weight_file_keys
 
     folder = Path(path).expanduser()
     if not (folder / "config.json").is_file():
@@ -400,7 +400,7 @@ def read_target_info(
         intermediate_size=int(need("intermediate_size")),
         rms_norm_eps=float(getattr(text_cfg, "rms_norm_eps", 1e-6)),
         max_position_embeddings=int(need("max_position_embeddings")),
-        rope=_rope(text_cfg),
+        rope=rope_info(text_cfg),
         embed_key=embed_key,
         lm_head_key=lm_head_key,
     )

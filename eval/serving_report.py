@@ -1,0 +1,373 @@
+"""Serving-benchmark arithmetic and outputs: per-request results → per-setting statistics → table/JSON/Markdown/PNG.
+
+Kept apart from the HTTP client so the maths can be tested on known answers without a server.
+Conventions (stated in every output):
+
+- TTFT: request sent → first chunk carrying generated text (needs streaming).
+- TPOT: (latency − TTFT) / (completion tokens − 1); requests with one token have no TPOT.
+- Per-stream tokens/s: mean over requests of completion tokens / latency (what one user sees).
+- Aggregate tokens/s: Σ completion tokens / wall time of the setting (first send → last reply).
+- Acceptance length: Σ completion tokens / Σ ``spec_verify_ct`` over requests that report it, SGLang's
+  convention (bonus token included). Weighting by tokens, not a mean of per-request ratios, so
+  short answers do not dominate; the per-request mean of ``spec_accept_length`` is kept alongside.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+PERCENTILES = (50, 90, 99)
+SCHEMA = "redraft.serving/1"
+ROLES = ("base", "eagle")
+ROLE_TITLES = {"base": "base", "eagle": "EAGLE-3"}
+
+
+@dataclass
+class RequestResult:
+    """One request after retries: timings from the last attempt, error text if every attempt failed."""
+
+    ok: bool
+    latency_s: float = 0.0
+    ttft_s: float | None = None
+    completion_tokens: int = 0
+    spec_verify_ct: int | None = None
+    spec_accept_length: float | None = None
+    attempts: int = 1
+    error: str = ""
+
+    @property
+    def tpot_s(self) -> float | None:
+        if not self.ok or self.ttft_s is None or self.completion_tokens < 2:
+            return None
+        return max(self.latency_s - self.ttft_s, 0.0) / (self.completion_tokens - 1)
+
+
+@dataclass
+class LevelStats:
+    """One concurrency setting on one server."""
+
+    concurrency: int
+    requests: int
+    ok: int
+    errors: int
+    retried: int
+    duration_s: float
+    output_tokens: int
+    aggregate_tok_s: float
+    per_stream_tok_s: float | None
+    ttft_ms: dict[str, float | None] = field(default_factory=dict)
+    tpot_ms: dict[str, float | None] = field(default_factory=dict)
+    accept_length: float | None = None
+    accept_length_mean: float | None = None
+    accept_coverage: float = 0.0  # fraction of successful requests that reported spec_verify_ct
+    error_samples: list[str] = field(default_factory=list)
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Linear-interpolation percentile (numpy's default); None for no values."""
+    xs = sorted(values)
+    if not xs:
+        return None
+    if len(xs) == 1:
+        return float(xs[0])
+    pos = (len(xs) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return float(xs[lo] + (xs[hi] - xs[lo]) * (pos - lo))
+
+
+def _pcts_ms(values: Sequence[float]) -> dict[str, float | None]:
+    out: dict[str, float | None] = {}
+    for q in PERCENTILES:
+        v = percentile(values, q)
+        out[f"p{q}"] = None if v is None else v * 1000.0
+    return out
+
+
+def acceptance_length(results: Sequence[RequestResult]) -> float | None:
+    """Σ completion tokens / Σ verify steps over successful requests that report ``spec_verify_ct``."""
+    tokens = sum(r.completion_tokens for r in results if r.ok and r.spec_verify_ct)
+    steps = sum(r.spec_verify_ct for r in results if r.ok and r.spec_verify_ct)
+    return tokens / steps if steps else None
+
+
+def summarize(results: Sequence[RequestResult], concurrency: int, duration_s: float) -> LevelStats:
+    """Statistics of one setting; errors are counted, never folded into the timings."""
+    good = [r for r in results if r.ok]
+    tokens = sum(r.completion_tokens for r in good)
+    per_stream = [r.completion_tokens / r.latency_s for r in good if r.latency_s > 0]
+    ttfts = [r.ttft_s for r in good if r.ttft_s is not None]
+    tpots = [t for t in (r.tpot_s for r in good) if t is not None]
+    accept_lens = [r.spec_accept_length for r in good if r.spec_accept_length is not None]
+    reporting = [r for r in good if r.spec_verify_ct]
+    errors = [r.error for r in results if not r.ok]
+    return LevelStats(
+        concurrency=concurrency,
+        requests=len(results),
+        ok=len(good),
+        errors=len(errors),
+        retried=sum(1 for r in results if r.attempts > 1),
+        duration_s=duration_s,
+        output_tokens=tokens,
+        aggregate_tok_s=tokens / duration_s if duration_s > 0 else 0.0,
+        per_stream_tok_s=sum(per_stream) / len(per_stream) if per_stream else None,
+        ttft_ms=_pcts_ms(ttfts),
+        tpot_ms=_pcts_ms(tpots),
+        accept_length=acceptance_length(good),
+        accept_length_mean=sum(accept_lens) / len(accept_lens) if accept_lens else None,
+        accept_coverage=len(reporting) / len(good) if good else 0.0,
+        error_samples=sorted(set(errors))[:3],
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Report assembly
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def comparison_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per concurrency present for both servers: EAGLE-3 value / base value for each metric."""
+    servers = report.get("servers", {})
+    if not all(role in servers for role in ROLES):
+        return []
+    by_c = {role: {lv["concurrency"]: lv for lv in servers[role]["levels"]} for role in ROLES}
+    rows = []
+    for c in sorted(set(by_c["base"]) & set(by_c["eagle"])):
+        b, e = by_c["base"][c], by_c["eagle"][c]
+        rows.append({
+            "concurrency": c,
+            "aggregate_tok_s": {"base": b["aggregate_tok_s"], "eagle": e["aggregate_tok_s"],
+                                "ratio": _ratio(e["aggregate_tok_s"], b["aggregate_tok_s"])},
+            "per_stream_tok_s": {"base": b["per_stream_tok_s"], "eagle": e["per_stream_tok_s"],
+                                 "ratio": _ratio(e["per_stream_tok_s"], b["per_stream_tok_s"])},
+            "tpot_p50_ms": {"base": b["tpot_ms"].get("p50"), "eagle": e["tpot_ms"].get("p50"),
+                            "ratio": _ratio(e["tpot_ms"].get("p50"), b["tpot_ms"].get("p50"))},
+            "ttft_p50_ms": {"base": b["ttft_ms"].get("p50"), "eagle": e["ttft_ms"].get("p50"),
+                            "ratio": _ratio(e["ttft_ms"].get("p50"), b["ttft_ms"].get("p50"))},
+            "accept_length": e["accept_length"],
+            "errors": {"base": b["errors"], "eagle": e["errors"]},
+        })
+    return rows
+
+
+def build_report(settings: dict[str, Any], servers: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The JSON document: settings, per-server info/warnings/levels, and the side-by-side rows."""
+    report = {
+        "schema": SCHEMA,
+        "settings": settings,
+        "definitions": {
+            "ttft": "request sent -> first streamed chunk with generated text",
+            "tpot": "(latency - ttft) / (completion_tokens - 1)",
+            "per_stream_tok_s": "mean over requests of completion_tokens / latency",
+            "aggregate_tok_s": "sum of completion_tokens / wall time of the setting",
+            "accept_length": "sum completion_tokens / sum spec_verify_ct (SGLang meta_info; bonus token included)",
+            "ratio": "EAGLE-3 / base (above 1 is better for tok/s, below 1 is better for latencies)",
+        },
+        "servers": {role: _jsonable(s) for role, s in servers.items()},
+    }
+    report["comparison"] = comparison_rows(report)
+    return report
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, LevelStats):
+        return asdict(obj)
+    if isinstance(obj, dict):
+        return {k: _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    return obj
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Rendering
+
+
+def _fmt(v: Any, digits: int = 1) -> str:
+    if v is None:
+        return "n/a"
+    if isinstance(v, float):
+        return f"{v:,.{digits}f}"
+    return str(v)
+
+
+def _fmt_ratio(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.2f}x"
+
+
+def _accept_cell(level: dict[str, Any], server: dict[str, Any]) -> str:
+    if level["accept_length"] is not None:
+        return f"{level['accept_length']:.2f}"
+    if server.get("api") == "openai":
+        return "n/a (OpenAI API: no meta_info)"
+    return "n/a"
+
+
+def comparison_table(report: dict[str, Any]) -> list[list[str]]:
+    header = ["conc", "tok/s base", "tok/s EAGLE-3", "ratio", "per-stream base", "per-stream EAGLE-3", "ratio",
+              "TPOT p50 ms base", "TPOT p50 ms EAGLE-3", "ratio", "accept len", "errors b/e"]
+    rows = [header]
+    eagle = report["servers"].get("eagle", {})
+    for r in report["comparison"]:
+        lv = next(x for x in eagle["levels"] if x["concurrency"] == r["concurrency"])
+        rows.append([
+            str(r["concurrency"]),
+            _fmt(r["aggregate_tok_s"]["base"]), _fmt(r["aggregate_tok_s"]["eagle"]),
+            _fmt_ratio(r["aggregate_tok_s"]["ratio"]),
+            _fmt(r["per_stream_tok_s"]["base"]), _fmt(r["per_stream_tok_s"]["eagle"]),
+            _fmt_ratio(r["per_stream_tok_s"]["ratio"]),
+            _fmt(r["tpot_p50_ms"]["base"], 2), _fmt(r["tpot_p50_ms"]["eagle"], 2),
+            _fmt_ratio(r["tpot_p50_ms"]["ratio"]),
+            _accept_cell(lv, eagle),
+            f"{r['errors']['base']}/{r['errors']['eagle']}",
+        ])
+    return rows
+
+
+def detail_table(server: dict[str, Any]) -> list[list[str]]:
+    header = ["conc", "requests", "errors", "retried", "tok/s", "per-stream tok/s",
+              "TTFT p50/p90/p99 ms", "TPOT p50/p90/p99 ms", "accept len (Σ/Σ)", "accept len (mean)"]
+    rows = [header]
+    for lv in server["levels"]:
+        rows.append([
+            str(lv["concurrency"]), str(lv["requests"]), str(lv["errors"]), str(lv["retried"]),
+            _fmt(lv["aggregate_tok_s"]), _fmt(lv["per_stream_tok_s"]),
+            "/".join(_fmt(lv["ttft_ms"].get(f"p{q}")) for q in PERCENTILES),
+            "/".join(_fmt(lv["tpot_ms"].get(f"p{q}"), 2) for q in PERCENTILES),
+            _accept_cell(lv, server), _fmt(lv["accept_length_mean"], 2),
+        ])
+    return rows
+
+
+def render_text(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def render_markdown_table(rows: list[list[str]]) -> str:
+    out = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+    out += ["| " + " | ".join(r) + " |" for r in rows[1:]]
+    return "\n".join(out)
+
+
+def _server_lines(role: str, server: dict[str, Any]) -> list[str]:
+    info = server.get("info", {})
+    spec = info.get("speculative_algorithm") or "none"
+    lines = [f"{ROLE_TITLES.get(role, role)}: {server['url']} (api {server.get('api')})",
+             f"  speculative: {spec}"]
+    if spec != "none":
+        lines[-1] += (f", steps {info.get('speculative_num_steps')}, topk {info.get('speculative_eagle_topk')}, "
+                      f"draft tokens {info.get('speculative_num_draft_tokens')}, "
+                      f"draft {info.get('speculative_draft_model_path')}")
+    lines.append(f"  max_running_requests: {info.get('max_running_requests')}, "
+                 f"cuda_graph_max_bs: {info.get('cuda_graph_max_bs')}, context_length: {info.get('context_length')}")
+    if info.get("avg_spec_accept_length") is not None:
+        lines.append(f"  server avg_spec_accept_length (cumulative since server start): "
+                     f"{info['avg_spec_accept_length']:.2f}")
+    lines += [f"  WARNING: {w}" for w in server.get("warnings", [])]
+    return lines
+
+
+def render_report_text(report: dict[str, Any]) -> str:
+    parts = []
+    for role, server in report["servers"].items():
+        parts += _server_lines(role, server)
+    if report["comparison"]:
+        parts += ["", "Side by side (ratio = EAGLE-3 / base):", render_text(comparison_table(report))]
+    for role, server in report["servers"].items():
+        parts += ["", f"{ROLE_TITLES.get(role, role)} details:", render_text(detail_table(server))]
+    s = report["settings"]
+    parts += ["", f"max_tokens {s.get('max_tokens')}, temperature {s.get('temperature')}, "
+                  f"prompts: {s.get('prompts')} ({s.get('num_prompts')}), acceptance = Σ tokens / Σ verify steps"]
+    return "\n".join(parts)
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    s = report["settings"]
+    out = ["# Serving benchmark", "",
+           f"Prompts: `{s.get('prompts')}` ({s.get('num_prompts')}), max tokens {s.get('max_tokens')}, "
+           f"temperature {s.get('temperature')}, concurrency {s.get('concurrency')}.", ""]
+    for role, server in report["servers"].items():
+        out += ["    " + line for line in _server_lines(role, server)] + [""]
+    if report["comparison"]:
+        out += ["## Side by side (ratio = EAGLE-3 / base)", "", render_markdown_table(comparison_table(report)), ""]
+    for role, server in report["servers"].items():
+        out += [f"## {ROLE_TITLES.get(role, role)}", "", render_markdown_table(detail_table(server)), ""]
+    out += ["Definitions: " + "; ".join(f"{k}: {v}" for k, v in report["definitions"].items()), ""]
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Files (temp name, then rename: a reader never sees half a file)
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json(report: dict[str, Any], path: Path) -> None:
+    _atomic_write_bytes(path, (json.dumps(report, indent=2, sort_keys=False) + "\n").encode())
+
+
+def write_markdown(report: dict[str, Any], path: Path) -> None:
+    _atomic_write_bytes(path, render_markdown(report).encode())
+
+
+def write_plot(report: dict[str, Any], path: Path) -> None:
+    """Aggregate and per-stream tokens/s against concurrency (log2 x axis), one line per server."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for role, server in report["servers"].items():
+        levels = [lv for lv in server["levels"] if lv["ok"] > 0]
+        xs = [lv["concurrency"] for lv in levels]
+        label = f"{ROLE_TITLES.get(role, role)} ({server['url']})"
+        axes[0].plot(xs, [lv["aggregate_tok_s"] for lv in levels], marker="o", label=label)
+        axes[1].plot(xs, [lv["per_stream_tok_s"] or 0.0 for lv in levels], marker="o", label=label)
+    for ax, title in zip(axes, ("aggregate output tokens/s", "per-stream output tokens/s"), strict=True):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    s = report["settings"]
+    fig.suptitle(f"max_tokens {s.get('max_tokens')}, prompts {Path(str(s.get('prompts'))).name}", fontsize=9)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, format="png", dpi=110)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    finally:
+        plt.close(fig)

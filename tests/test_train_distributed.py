@@ -1,0 +1,86 @@
+"""Two CPU ranks under `accelerate launch` + DeepSpeed ZeRO-2 over gloo (slow: real processes).
+
+The first DeepSpeed init on a machine JIT-compiles its shm_comm op (~60 s, cached in
+TORCH_EXTENSIONS_DIR / ~/.cache/torch_extensions); later launches take ~10-20 s each.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers_train import base_args, make_dataset, make_target, read_metrics
+from safetensors.torch import load_file
+
+from extract.store import DatasetReader
+from train.data import DistributedBucketSampler, split_by_id
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+
+def launch(args: list[str], log: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "WANDB_MODE": "offline",
+           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "REDRAFT_NO_PROGRESS": "1"}
+    env.pop("WORLD_SIZE", None)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           "configs/accelerate/cpu-2proc-zero2.yaml", "--num_processes", "2", "train/main.py", *args]
+    with open(log, "w") as f:
+        res = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=600)
+    assert res.returncode == 0, log.read_text()[-4000:]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train_dist")
+    target, vocab = make_target(root / "target")
+    return make_dataset(root / "data", target, vocab), root
+
+
+def _ids(path: Path, epoch: int) -> list[str]:
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return [i for r in rows if r["epoch"] == epoch for i in r["ids"]]
+
+
+def test_two_ranks_split_the_data_and_resume(tiny):
+    data, root = tiny
+    args = dict(max_steps=6, save_every=3, eval_every=3, log_every=1, keep_last=0)
+    straight = root / "straight"
+    launch(base_args(data, straight, log_sample_ids=True, **args), root / "straight.log")
+
+    # --- both ranks ran, each on its own half of the train split
+    state = json.loads((straight / "step-0000006" / "trainer_state.json").read_text())
+    assert state["world_size"] == 2
+    ids0 = _ids(straight / "sample_ids" / "rank-0.jsonl", 0)
+    ids1 = _ids(straight / "sample_ids" / "rank-1.jsonl", 0)
+    assert ids0 and ids1 and not set(ids0) & set(ids1)
+    reader = DatasetReader(data)
+    train, val = split_by_id(reader.sample_ids, 0.15, 8, seed=0)
+    expected = DistributedBucketSampler(train, reader.lengths, tokens_per_batch=160, max_samples=0,
+                                        mega_batch_samples=512, seed=0, rank=0, world_size=2)
+    assert set(ids0) | set(ids1) == {reader.sample_ids[i] for b in expected.global_batches(0) for i in b}
+    assert not (set(ids0) | set(ids1)) & {reader.sample_ids[i] for i in val}
+    ts = straight / "step-0000006" / "training_state" / "pytorch_model"
+    assert {p.name for p in ts.glob("zero_pp_rank_*_optim_states.pt")} == {
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"}
+    assert [r["step"] for r in read_metrics(straight)] == [1, 2, 3, 4, 5, 6]
+
+    # --- stop at step 3, resume to 6: same weights as the straight run
+    resumed = root / "resumed"
+    launch(base_args(data, resumed, stop_at_step=3, **args), root / "first_half.log")
+    assert (resumed / "latest").read_text().strip() == "step-0000003"
+    launch(base_args(data, resumed, resume="auto", **args), root / "second_half.log")
+    a = load_file(str(straight / "step-0000006" / "model.safetensors"))
+    b = load_file(str(resumed / "step-0000006" / "model.safetensors"))
+    assert set(a) == set(b)
+    worst = max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+    assert worst == 0.0, f"max |diff| after resume: {worst}"
+    la = [r["loss"] for r in read_metrics(straight)]
+    lb = [r["loss"] for r in read_metrics(resumed)]
+    assert la == lb
+    assert torch.isfinite(torch.tensor(la)).all()
