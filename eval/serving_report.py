@@ -27,6 +27,8 @@ PERCENTILES = (50, 90, 99)
 SCHEMA = "redraft.serving/1"
 ROLES = ("base", "eagle")
 ROLE_TITLES = {"base": "base", "eagle": "EAGLE-3"}
+OPENAI_NOTE = ("* acceptance n/a: the OpenAI-compatible API returns no meta_info (spec_verify_ct); "
+               "use --api native --tokenizer TARGET_FOLDER to measure it")
 
 
 @dataclass
@@ -211,7 +213,7 @@ def _accept_cell(level: dict[str, Any], server: dict[str, Any]) -> str:
     if level["accept_length"] is not None:
         return f"{level['accept_length']:.2f}"
     if server.get("api") == "openai":
-        return "n/a (OpenAI API: no meta_info)"
+        return "n/a*"
     return "n/a"
 
 
@@ -290,6 +292,8 @@ def render_report_text(report: dict[str, Any]) -> str:
         parts += ["", "Side by side (ratio = EAGLE-3 / base):", render_text(comparison_table(report))]
     for role, server in report["servers"].items():
         parts += ["", f"{ROLE_TITLES.get(role, role)} details:", render_text(detail_table(server))]
+    if any(srv.get("api") == "openai" for srv in report["servers"].values()):
+        parts += ["", OPENAI_NOTE]
     s = report["settings"]
     parts += ["", f"max_tokens {s.get('max_tokens')}, temperature {s.get('temperature')}, "
                   f"prompts: {s.get('prompts')} ({s.get('num_prompts')}), acceptance = Σ tokens / Σ verify steps"]
@@ -307,6 +311,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         out += ["## Side by side (ratio = EAGLE-3 / base)", "", render_markdown_table(comparison_table(report)), ""]
     for role, server in report["servers"].items():
         out += [f"## {ROLE_TITLES.get(role, role)}", "", render_markdown_table(detail_table(server)), ""]
+    if any(srv.get("api") == "openai" for srv in report["servers"].values()):
+        out += [OPENAI_NOTE, ""]
     out += ["Definitions: " + "; ".join(f"{k}: {v}" for k, v in report["definitions"].items()), ""]
     return "\n".join(out)
 

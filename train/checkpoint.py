@@ -24,17 +24,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from extract.layers import default_aux_layer_ids, from_engine_layer_ids, to_engine_layer_ids
 from train.drafter import DrafterConfig
+from train.serving_format import (  # noqa: F401  (re-exported: the serving pieces live there now)
+    SERVING_ARCH,
+    drafter_config_from_serving,
+    load_serving_weights,
+    serving_config,
+)
 
 log = logging.getLogger(__name__)
 
 STEP_RE = re.compile(r"^step-(\d{7,})$")
 TMP_PREFIX = ".tmp-"
 LATEST = "latest"
-SERVING_ARCH = "LlamaForCausalLMEagle3"
 TRAINING_STATE = "training_state"
 REDRAFT_RECORD = "redraft.json"
 TRAINER_STATE = "trainer_state.json"
@@ -65,83 +69,14 @@ def _write_json(path: Path, obj: Any) -> None:
 # ----------------------------------------------------------------------------- serving files
 
 
-def serving_config(cfg: DrafterConfig, torch_dtype: str | None = None) -> dict[str, Any]:
-    """config.json as SGLang/vLLM load it; layer ids converted to SGLang's convention for the target."""
-    engine_ids = to_engine_layer_ids(cfg.aux_layer_ids, "sglang", cfg.target_architecture)
-    return {
-        "architectures": [SERVING_ARCH],
-        "model_type": "llama",
-        "hidden_size": cfg.hidden_size,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim,
-        "intermediate_size": cfg.intermediate_size,
-        "vocab_size": cfg.vocab_size,
-        "draft_vocab_size": cfg.draft_vocab_size,
-        "target_hidden_size": cfg.target_hidden_size,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_scaling": cfg.rope_scaling,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "num_hidden_layers": 1,
-        "tie_word_embeddings": False,
-        "hidden_act": cfg.hidden_act,
-        "torch_dtype": torch_dtype or cfg.torch_dtype,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": engine_ids, "use_aux_hidden_state": True},
-    }
-
-
 def write_drafter_folder(folder: Path, cfg: DrafterConfig, state: Mapping[str, torch.Tensor], record: Mapping) -> None:
     """config.json + model.safetensors + redraft.json: a servable drafter (and what eval reads back)."""
     state = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
     floats = {v.dtype for v in state.values() if v.is_floating_point()}
     dtype = _DTYPE_NAMES.get(next(iter(floats)), None) if len(floats) == 1 else None
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    _write_json(folder / "config.json", serving_config(cfg, dtype))
+    _write_json(folder / "config.json", serving_config(cfg, engine="sglang", torch_dtype=dtype))
     _write_json(folder / REDRAFT_RECORD, {**record, "drafter": cfg.to_dict()})
-
-
-def drafter_config_from_serving(
-    config: Mapping[str, Any], *, target_architecture: str, target_num_layers: int
-) -> DrafterConfig:
-    """DrafterConfig of a foreign (SGLang/SpecForge) drafter folder, whose config.json lacks target facts."""
-    where = "config.json"
-    archs = config.get("architectures") or []
-    if SERVING_ARCH not in archs:
-        raise CheckpointError(f"{where}: architectures {archs} do not include {SERVING_ARCH}")
-    eagle = config.get("eagle_config") or {}
-    engine_ids = eagle.get("eagle_aux_hidden_state_layer_ids")
-    if engine_ids is None:
-        ids = default_aux_layer_ids(target_num_layers)  # what SGLang captures when nothing is configured
-    else:
-        ids = from_engine_layer_ids(engine_ids, "sglang", target_architecture)
-    heads = int(config["num_attention_heads"])
-    rope_scaling = config.get("rope_scaling")
-    rope_theta = config.get("rope_theta")
-    params = config.get("rope_parameters")
-    if rope_theta is None and isinstance(params, Mapping):
-        rope_theta = params.get("rope_theta")
-        if params.get("rope_type", "default") != "default" and rope_scaling is None:
-            rope_scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-    return DrafterConfig(
-        hidden_size=int(config["hidden_size"]),
-        num_attention_heads=heads,
-        num_key_value_heads=int(config.get("num_key_value_heads") or heads),
-        head_dim=int(config.get("head_dim") or int(config["hidden_size"]) // heads),
-        intermediate_size=int(config["intermediate_size"]),
-        vocab_size=int(config["vocab_size"]),
-        draft_vocab_size=int(config.get("draft_vocab_size") or config["vocab_size"]),
-        target_hidden_size=int(config.get("target_hidden_size") or config["hidden_size"]),
-        aux_layer_ids=ids,
-        target_num_layers=int(target_num_layers),
-        target_architecture=target_architecture,
-        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
-        rope_scaling=rope_scaling,
-        max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
-        hidden_act=str(config.get("hidden_act", "silu")),
-        torch_dtype=str(config.get("torch_dtype") or "bfloat16"),
-    )
 
 
 def load_drafter_checkpoint(
@@ -151,7 +86,8 @@ def load_drafter_checkpoint(
 
     redraft checkpoints carry their DrafterConfig in redraft.json. A foreign folder only has
     config.json, so its layer ids are interpreted for ``target_architecture`` (with
-    ``target_num_layers`` for the default ids); both must then be given.
+    ``target_num_layers`` for the default ids); both must then be given. Weights come back under
+    our names (``model.``/``layers.0.`` names mapped), without any ``embed_tokens.weight``.
     """
     folder = Path(folder)
     weights = folder / "model.safetensors"
@@ -180,7 +116,10 @@ def load_drafter_checkpoint(
             )
         except (KeyError, ValueError) as e:
             raise CheckpointError(f"{cfg_path}: {e}") from e
-    return cfg, load_file(str(weights))
+    try:
+        return cfg, load_serving_weights(weights)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from e
 
 
 INIT_FROM_FIELDS = ("hidden_size", "target_hidden_size", "vocab_size", "draft_vocab_size", "aux_layer_ids")

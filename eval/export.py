@@ -1,0 +1,485 @@
+"""Export a drafter to a folder SGLang or vLLM loads as is: ``python -m eval.export CKPT OUT --format sglang``.
+
+CKPT is a redraft step folder, a run folder (its ``latest`` is followed), or a foreign SGLang /
+SpecForge drafter folder (config.json + model.safetensors), which is imported. OUT gets
+``config.json`` (the engine's layer-id convention, see ``train.serving_format``),
+``model.safetensors`` with exactly the serving table's keys, ``redraft.json`` (provenance and
+the DrafterConfig, so ``train --init-from`` and ``eval.acceptance`` read OUT back exactly) and
+a short ``README.md``. The weights are checked against the table *before* anything is written,
+because SGLang would load a misnamed key as uninitialised memory without a word. OUT is
+written under a temporary name and renamed when complete.
+
+Afterwards the serving command is printed, with ``--max-running-requests`` and
+``--cuda-graph-max-bs`` explicit: without them SGLang caps speculative serving at 48
+concurrent requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import shlex
+import shutil
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from extract.layers import to_engine_layer_ids, weight_key_candidates
+from train.checkpoint import LATEST, REDRAFT_RECORD, STEP_RE, CheckpointError, load_drafter_checkpoint
+from train.drafter import EMBED_KEY, DrafterConfig, Eagle3Drafter
+from train.serving_format import (
+    FORMATS,
+    WEIGHTS_NAME,
+    ServingFormatError,
+    check_serving_state,
+    serving_config,
+    torch_dtype_of,
+)
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+CAP_NOTE = ("# --max-running-requests and --cuda-graph-max-bs are explicit on purpose: without them SGLang "
+            "caps speculative serving at 48 concurrent requests.")
+
+
+class ExportError(ValueError):
+    """An export that cannot be done as asked (bad input folder, OUT in the way, bad serving flags)."""
+
+
+# ----------------------------------------------------------------------------- serving command
+
+
+@dataclass
+class LaunchPlan:
+    """Speculative-decoding flags for the printed serving command."""
+
+    steps: int = 3
+    topk: int = 1
+    num_draft_tokens: int | None = None  # None: steps + 1 when topk is 1 (SGLang forces that)
+    tp: int = 1
+    max_running_requests: int = 128
+    cuda_graph_max_bs: int | None = None  # None: max_running_requests
+    trust_remote_code: bool = False
+
+    def resolved(self) -> LaunchPlan:
+        """Validated copy with the defaults filled; SGLang's own rules become errors, not silent changes."""
+        for name in ("steps", "topk", "tp", "max_running_requests"):
+            if int(getattr(self, name)) < 1:
+                raise ExportError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        tokens = self.num_draft_tokens
+        if self.topk == 1:
+            if tokens is not None and tokens != self.steps + 1:
+                raise ExportError(
+                    f"--num-draft-tokens {tokens}: with --topk 1 SGLang forces it to steps + 1 = {self.steps + 1}"
+                )
+            tokens = self.steps + 1
+        elif tokens is None:
+            raise ExportError(f"--topk {self.topk} (tree drafting) needs an explicit --num-draft-tokens")
+        elif tokens < 2:
+            raise ExportError(f"--num-draft-tokens must be >= 2, got {tokens}")
+        graph_bs = self.cuda_graph_max_bs if self.cuda_graph_max_bs is not None else self.max_running_requests
+        if graph_bs < 1:
+            raise ExportError(f"--cuda-graph-max-bs must be >= 1, got {graph_bs}")
+        if graph_bs > self.max_running_requests:
+            log.warning("--cuda-graph-max-bs %d exceeds --max-running-requests %d: graphs above %d are never used",
+                        graph_bs, self.max_running_requests, self.max_running_requests)
+        return replace(self, num_draft_tokens=tokens, cuda_graph_max_bs=graph_bs)
+
+
+def sglang_command(target: str, draft: str, plan: LaunchPlan) -> str:
+    """``python -m sglang.launch_server ...`` serving ``target`` with the EAGLE-3 drafter at ``draft``."""
+    p = plan.resolved()
+    args = [
+        "python", "-m", "sglang.launch_server", "--model-path", target,
+        "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", draft,
+        "--speculative-num-steps", str(p.steps), "--speculative-eagle-topk", str(p.topk),
+        "--speculative-num-draft-tokens", str(p.num_draft_tokens), "--tp", str(p.tp),
+        "--max-running-requests", str(p.max_running_requests), "--cuda-graph-max-bs", str(p.cuda_graph_max_bs),
+    ]
+    if p.trust_remote_code:
+        args.append("--trust-remote-code")
+    return " ".join(shlex.quote(a) for a in args)
+
+
+def vllm_command(target: str, draft: str, plan: LaunchPlan) -> str:
+    """``vllm serve ...`` with an eagle3 speculative config (vLLM drafts a chain of ``steps`` tokens)."""
+    p = plan.resolved()
+    spec = json.dumps({"method": "eagle3", "model": draft, "num_speculative_tokens": p.steps})
+    args = ["vllm", "serve", target, "--speculative-config", spec, "--tensor-parallel-size", str(p.tp),
+            "--max-num-seqs", str(p.max_running_requests)]
+    if p.trust_remote_code:
+        args.append("--trust-remote-code")
+    return " ".join(shlex.quote(a) for a in args)
+
+
+def launch_command(fmt: str, target: str, draft: str, plan: LaunchPlan) -> str:
+    """The serving command for ``fmt``, preceded by a comment line saying why the limits are explicit."""
+    if fmt == "sglang":
+        return CAP_NOTE + "\n" + sglang_command(target, draft, plan)
+    if plan.topk != 1:
+        log.warning("--topk %d/--num-draft-tokens apply to SGLang only; vLLM drafts a chain of --steps tokens",
+                    plan.topk)
+    return vllm_command(target, draft, plan)
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+@dataclass
+class ExportConfig:
+    """Everything one export needs (the CLI maps onto it one to one)."""
+
+    ckpt: str
+    out: str
+    format: str
+    with_embedding: bool = False
+    target: str | None = None  # target model folder; default: the training record / dataset manifest
+    dtype: str | None = None  # bf16|fp16|fp32; None: what the checkpoint advertises (DrafterConfig.torch_dtype)
+    target_architecture: str | None = None  # foreign inputs only (default: from --target's config.json)
+    target_num_layers: int | None = None  # foreign inputs only (default: from --target's config.json)
+    max_position_embeddings: int | None = None  # None: the DrafterConfig's (the target's context length)
+    force: bool = False
+    launch: LaunchPlan = field(default_factory=LaunchPlan)
+
+
+@dataclass
+class ExportResult:
+    out: Path
+    source: Path
+    config: DrafterConfig
+    command: str
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """The drafter folder CKPT names: itself, ``CKPT/latest``'s step folder, or the newest ``step-*``."""
+    folder = Path(path)
+    if (folder / WEIGHTS_NAME).is_file():
+        return folder
+    if not folder.is_dir():
+        raise ExportError(f"{folder}: no such folder")
+    latest = folder / LATEST
+    if latest.is_file():
+        name = latest.read_text().strip()
+        if (folder / name / WEIGHTS_NAME).is_file():
+            return folder / name
+        raise ExportError(f"{latest} names {name!r}, which has no {WEIGHTS_NAME}")
+    steps = sorted((int(m.group(1)), p) for p in folder.iterdir()
+                   if (m := STEP_RE.match(p.name)) and (p / WEIGHTS_NAME).is_file())
+    if steps:
+        return steps[-1][1]
+    raise ExportError(f"{folder}: not a drafter folder (no {WEIGHTS_NAME}), and no {LATEST} or step-* inside")
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ExportError(f"{path}: unreadable: {e}") from e
+    if not isinstance(data, dict):
+        raise ExportError(f"{path}: expected a JSON object")
+    return data
+
+
+def _target_facts(target: Path | None) -> dict[str, Any]:
+    """architecture, num_layers, context length, trust_remote_code need and raw config of a target folder."""
+    if target is None or not (target / "config.json").is_file():
+        return {}
+    raw = _read_json(target / "config.json")
+    text = raw["text_config"] if isinstance(raw.get("text_config"), dict) else raw  # Kimi-K2.5 nests it
+    return {
+        "architecture": (raw.get("architectures") or [None])[0],
+        "num_layers": text.get("num_hidden_layers"),
+        "max_position_embeddings": text.get("max_position_embeddings"),
+        "remote_code": "auto_map" in raw,
+        "config": raw,
+    }
+
+
+def _from_record(record: Mapping[str, Any]) -> tuple[str | None, str | None]:
+    """(target path, embedding key) the training run used, via its train config or dataset manifest."""
+    path = (record.get("train_config") or {}).get("target_path") or record.get("target_path") or None
+    embed_key = record.get("embed_key")
+    data = (record.get("dataset") or {}).get("path")
+    if data:
+        from extract.store import DatasetError, load_manifest
+
+        try:
+            target = load_manifest(Path(data)).get("target") or {}
+            path = path or target.get("path")
+            embed_key = embed_key or target.get("embed_key")
+        except (DatasetError, OSError) as e:
+            log.info("dataset %s not readable here (%s); target path unknown unless --target is given", data, e)
+    return path, embed_key
+
+
+def read_target_embedding(cfg: DrafterConfig, target: Path, candidates: list[str], dtype: torch.dtype) -> torch.Tensor:
+    """The target's input embedding [V, H] through Eagle3Drafter.load_target_embedding (shape-checked).
+
+    The drafter is built on the meta device so only the embedding is ever allocated (without rope
+    scaling, whose init functions need real tensors; the embedding does not depend on it).
+    """
+    with torch.device("meta"):
+        drafter = Eagle3Drafter(replace(cfg, rope_scaling=None))
+    weight = torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+    drafter.embed_tokens = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=weight, _freeze=True)
+    drafter.load_target_embedding(target, candidates)
+    return drafter.embed_tokens.weight.detach()
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def _check_out(out: Path, source: Path, force: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"{out}: exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise ExportError(f"{out}: exists and is not empty (pass --force to replace it)")
+    o, s = out.resolve(), source.resolve()
+    if o == s or o in s.parents:
+        raise ExportError(f"{out}: would replace the checkpoint being exported ({source})")
+
+
+def _readme(fmt: str, source: Path, cfg: DrafterConfig, config: Mapping[str, Any], command: str) -> str:
+    ids = config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    return (
+        f"# EAGLE-3 drafter ({fmt} format)\n\n"
+        f"Exported by `python -m eval.export` from `{source}`.\n\n"
+        f"- target: {cfg.target_architecture}, {cfg.target_num_layers} layers, vocab {cfg.vocab_size}, "
+        f"context {config['max_position_embeddings']}\n"
+        f"- drafter: hidden {cfg.hidden_size}, draft vocab {cfg.draft_vocab_size}, dtype {config['torch_dtype']}\n"
+        f"- aux layers: redraft ids {cfg.aux_layer_ids} (output of decoder layer i) = {fmt} config ids {ids}; "
+        "the ids are engine-specific, so serve this folder with the engine it was exported for\n"
+        f"- provenance: `{REDRAFT_RECORD}`\n\n"
+        f"Serve:\n\n```bash\n{command}\n```\n"
+    )
+
+
+def _write_folder(tmp: Path, state: Mapping[str, torch.Tensor], config: Mapping[str, Any],
+                  record: Mapping[str, Any], readme: str) -> None:
+    tmp.mkdir(parents=True)
+    weights = tmp / WEIGHTS_NAME
+    save_file(dict(state), str(weights), metadata={"format": "pt"})
+    sha = hashlib.sha256()
+    with open(weights, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            sha.update(chunk)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    (tmp / REDRAFT_RECORD).write_text(
+        json.dumps({**record, "weights_sha256": sha.hexdigest()}, indent=2, sort_keys=True) + "\n"
+    )
+    (tmp / "README.md").write_text(readme)
+
+
+def _install(tmp: Path, out: Path) -> None:
+    """Rename the finished temp folder to OUT, replacing an existing OUT only after the new one is complete."""
+    old = None
+    if out.exists():
+        old = out.with_name(f".old-{out.name}.{os.getpid()}")
+        os.replace(out, old)
+    os.replace(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def _load_source(ecfg: ExportConfig, source: Path, target: Path | None) -> tuple[DrafterConfig, dict, dict]:
+    """(DrafterConfig, weights, source record) of our checkpoint or an imported foreign folder."""
+    record_path = source / REDRAFT_RECORD
+    record = _read_json(record_path) if record_path.is_file() else {}
+    arch, layers = ecfg.target_architecture, ecfg.target_num_layers
+    if not record:
+        facts = _target_facts(target)
+        arch = arch or facts.get("architecture")
+        layers = layers or facts.get("num_layers")
+        if arch is None or layers is None:
+            raise ExportError(
+                f"{source}: a foreign drafter folder (no {REDRAFT_RECORD}); its layer ids can only be read for a "
+                "known target: pass --target TARGET_FOLDER, or --target-architecture and --target-num-layers"
+            )
+    try:
+        cfg, state = load_drafter_checkpoint(source, target_architecture=arch, target_num_layers=layers)
+    except CheckpointError as e:
+        raise ExportError(str(e)) from e
+    return cfg, state, record
+
+
+def export_checkpoint(ecfg: ExportConfig) -> ExportResult:
+    """Check, convert and write one drafter folder; nothing is left at OUT when any step fails."""
+    if ecfg.format not in FORMATS:
+        raise ExportError(f"--format {ecfg.format!r}: expected one of {FORMATS}")
+    plan = ecfg.launch.resolved()
+    source = resolve_checkpoint(ecfg.ckpt)
+    out = Path(ecfg.out)
+    _check_out(out, source, ecfg.force)
+
+    record_path = source / REDRAFT_RECORD
+    rec_target, embed_key = _from_record(_read_json(record_path)) if record_path.is_file() else (None, None)
+    target_str = ecfg.target or rec_target
+    target = Path(target_str) if target_str and Path(target_str).is_dir() else None
+    if target_str and target is None:
+        log.warning("target folder %s is not present here; it is named in the command only", target_str)
+    cfg, state, record = _load_source(ecfg, source, target)
+
+    dtype_name = DTYPES[ecfg.dtype] if ecfg.dtype else cfg.torch_dtype
+    dtype = torch_dtype_of(dtype_name)
+    updates: dict[str, Any] = {"torch_dtype": dtype_name}
+    if ecfg.max_position_embeddings:
+        updates["max_position_embeddings"] = int(ecfg.max_position_embeddings)
+    cfg = DrafterConfig.from_dict({**cfg.to_dict(), **updates})
+    facts = _target_facts(target)
+    context = facts.get("max_position_embeddings")
+    if context and int(context) > cfg.max_position_embeddings:
+        log.warning(
+            "drafter max_position_embeddings %d < the target's %d: SGLang refuses to start unless "
+            "--context-length <= %d or SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1; re-export with "
+            "--max-position-embeddings %d", cfg.max_position_embeddings, context, cfg.max_position_embeddings, context)
+
+    state = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in state.items()}
+    if ecfg.with_embedding:
+        if target is None:
+            raise ExportError(
+                "--with-embedding needs the target's weights: pass --target TARGET_FOLDER "
+                f"(the training record names {rec_target!r})"
+            )
+        candidates = [embed_key] if embed_key else []
+        candidates += [k for k in weight_key_candidates(facts["config"])[0] if k not in candidates]
+        try:
+            state[EMBED_KEY] = read_target_embedding(cfg, target, candidates, dtype).contiguous()
+        except (KeyError, ValueError) as e:
+            raise ExportError(f"--with-embedding: {e}") from e
+    try:
+        check_serving_state(state, cfg, ecfg.format, ecfg.with_embedding, dtype=dtype)
+    except ServingFormatError as e:
+        raise ExportError(f"{source}: {e}") from e
+
+    config = serving_config(cfg, engine=ecfg.format, torch_dtype=dtype_name)
+    plan = replace(plan, trust_remote_code=plan.trust_remote_code or bool(facts.get("remote_code")))
+    command = launch_command(ecfg.format, target_str or "<TARGET>", str(out.resolve()), plan)
+    export_record = {
+        "format": "redraft-export",
+        "serving_format": ecfg.format,
+        "dtype": dtype_name,
+        "with_embedding": ecfg.with_embedding,
+        "source": str(source.resolve()),
+        "source_format": record.get("format", "foreign (SGLang/SpecForge layout)"),
+        "source_step": record.get("step"),
+        "dataset": record.get("dataset"),
+        "target_path": target_str,
+        "engine_layer_ids": config["eagle_config"]["eagle_aux_hidden_state_layer_ids"],
+        "command": command,
+        "drafter": cfg.to_dict(),
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".tmp-{out.name}.{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    try:
+        _write_folder(tmp, state, config, export_record, _readme(ecfg.format, source, cfg, config, command))
+        _install(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    ids = to_engine_layer_ids(cfg.aux_layer_ids, ecfg.format, cfg.target_architecture)
+    log.info("exported %s -> %s (%s format, %s, %d tensors, engine layer ids %s)",
+             source, out, ecfg.format, dtype_name, len(state), ids)
+    return ExportResult(out=out, source=source, config=cfg, command=command)
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m eval.export",
+        description="Export a drafter checkpoint to a folder SGLang or vLLM loads as is, and print the "
+                    "serving command. Also imports a foreign SGLang/SpecForge drafter folder.",
+        epilog="Example: python -m eval.export runs/demo OUT/drafter-sglang --format sglang --tp 8 "
+               "--max-running-requests 256",
+    )
+    p.add_argument("ckpt", metavar="CKPT",
+                   help="a redraft step-* folder, a run folder (its 'latest' is followed, else the newest step-*), "
+                        "or a foreign SGLang/SpecForge drafter folder (config.json + model.safetensors)")
+    p.add_argument("out", metavar="OUT", help="folder to write (written under a temporary name, then renamed)")
+    p.add_argument("--format", required=True, choices=FORMATS,
+                   help="serving engine: decides the aux layer ids in config.json (they differ between engines "
+                        "for Llama-family targets), so serve OUT with this engine only")
+    p.add_argument("--with-embedding", action="store_true",
+                   help="also write embed_tokens.weight read from the target (a standalone HF folder); serving "
+                        "engines take the target's embedding anyway, so the default leaves it out")
+    p.add_argument("--target", metavar="PATH",
+                   help="target model folder: the embedding for --with-embedding, the --model-path of the printed "
+                        "command, and the architecture/layer count of foreign inputs (default: the training "
+                        "record's target_path, else the dataset manifest's target.path)")
+    p.add_argument("--dtype", choices=sorted(DTYPES),
+                   help="float dtype of the written weights (default: the checkpoint's torch_dtype; use fp32 for a "
+                        "bit-exact copy of fp32 training weights)")
+    p.add_argument("--max-position-embeddings", type=int, metavar="N",
+                   help="override the drafter's max_position_embeddings (default: the target's context length as "
+                        "recorded at training); SGLang refuses a drafter shorter than its target")
+    g = p.add_argument_group("foreign inputs (no redraft.json)")
+    g.add_argument("--target-architecture", metavar="A",
+                   help="target architecture, e.g. KimiK25ForConditionalGeneration or LlamaForCausalLM: how the "
+                        "config's layer ids are read (default: from --target's config.json)")
+    g.add_argument("--target-num-layers", type=int, metavar="L",
+                   help="target decoder layers, for SGLang's default ids when the config names none "
+                        "(default: from --target's config.json)")
+    s = p.add_argument_group("printed serving command")
+    s.add_argument("--steps", type=int, default=3, metavar="S", help="--speculative-num-steps / vLLM num_speculative_tokens "
+                   "(default 3)")
+    s.add_argument("--topk", type=int, default=1, metavar="K", help="--speculative-eagle-topk (default 1: chain drafting)")
+    s.add_argument("--num-draft-tokens", type=int, metavar="N",
+                   help="--speculative-num-draft-tokens; with --topk 1 SGLang forces steps + 1 (the default), "
+                        "with --topk > 1 it is required")
+    s.add_argument("--tp", type=int, default=1, metavar="T", help="tensor parallel size (default 1; Kimi-K2.5 needs 8)")
+    s.add_argument("--max-running-requests", type=int, default=128, metavar="R",
+                   help="concurrent requests (default 128); always explicit because SGLang otherwise caps "
+                        "speculative serving at 48")
+    s.add_argument("--cuda-graph-max-bs", type=int, metavar="B",
+                   help="largest CUDA-graph batch (default: --max-running-requests)")
+    s.add_argument("--trust-remote-code", action="store_true",
+                   help="add --trust-remote-code (added anyway when the target's config.json has auto_map)")
+    p.add_argument("--force", action="store_true", help="replace an existing non-empty OUT")
+    p.add_argument("-q", "--quiet", action="store_true", help="log warnings only")
+    return p
+
+
+def parse_args(argv: list[str]) -> ExportConfig:
+    a = build_parser().parse_args(argv)
+    plan = LaunchPlan(steps=a.steps, topk=a.topk, num_draft_tokens=a.num_draft_tokens, tp=a.tp,
+                      max_running_requests=a.max_running_requests, cuda_graph_max_bs=a.cuda_graph_max_bs,
+                      trust_remote_code=a.trust_remote_code)
+    return ExportConfig(ckpt=a.ckpt, out=a.out, format=a.format, with_embedding=a.with_embedding, target=a.target,
+                        dtype=a.dtype, target_architecture=a.target_architecture,
+                        target_num_layers=a.target_num_layers, max_position_embeddings=a.max_position_embeddings,
+                        force=a.force, launch=plan)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ecfg = parse_args(argv)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.WARNING if "-q" in argv or "--quiet" in argv else logging.INFO,
+                            format="%(levelname)s %(name)s: %(message)s")
+    try:
+        result = export_checkpoint(ecfg)
+    except (ExportError, ServingFormatError) as e:
+        log.error("%s", e)
+        return 1
+    print(f"# serve {result.out} ({ecfg.format}):")
+    print(result.command)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,436 @@
+"""Offline simulation of EAGLE-3 chain and tree drafting against stored target features (maths only, no I/O).
+
+Alignment (docs/design.md): a *drafting position* ``p`` is a position whose next two tokens
+``p+1`` and ``p+2`` are real assistant tokens: the target has just produced ``x[p+1]`` and there
+is something to draft. Step 0 reads ``fc(aux[p])`` and token ``x[p+1]`` at RoPE position ``p``;
+step ``k >= 1`` reads the step ``k-1`` output (pre-norm h2) and the drafter's OWN previous draft
+token at RoPE position ``p + k``. Attention is the prefix (step-0 keys at positions ``<= p``) plus
+the keys of the drafts made so far at this position: exactly :class:`train.drafter.TTTCache`'s
+pattern, so the chain runs on :meth:`Eagle3Drafter.step` unchanged, batched over every position.
+
+Verification (greedy): draft ``k`` (a draft id mapped through ``d2t``) is accepted iff every
+earlier draft was accepted and it equals the teacher's full-vocab argmax of row ``p+1+k``. That
+row is the target's prediction after the *data* tokens ``x[..p+1+k]``; it is the right row only
+while the data follows the argmax path (``x[p+2+j] == argmax[p+1+j]`` for ``j < k``) and while the
+answer lasts (``x[p+2+j]`` a real assistant token for ``j <= k``). Where either fails the chain is
+cut: the count is then a lower bound ("off_path") or the natural end of the answer ("end").
+Accepted drafts for a shorter chain ``K' <= K`` are ``min(n, K')``: one K-run gives every length.
+
+Temperature > 0 (:func:`simulate_chain_sampled`): the expected number of accepted drafts under the
+speculative-sampling rule, ``sum_k prod_{j<=k} alpha_j`` with ``alpha_j = sum_v min(p_j(v), q_j(v))``,
+``p`` the teacher and ``q`` the drafter softmax, both at temperature T. Approximations: the chain
+follows the DATA tokens (the drafter reads ``x[p+1+j]`` at step ``j``, as in training) instead of a
+sampled path, and a top-k teacher is truncated to its stored k entries (see eval.acceptance).
+
+Trees (:func:`simulate_tree`) follow SGLang's EAGLE rules (sgl-project/sglang
+``python/sglang/srt/speculative/build_eagle_tree.py`` ``build_tree_kernel_efficient_preprocess``, and
+``select_top_k_tokens`` in ``speculative/eagle_utils.py``, ``spec_utils.py`` in newer versions): depth 1 is the top-k of the step-0 distribution
+(score = probability); each later depth expands every node of the current top-k frontier into its
+top-k children (score = parent score x child probability) and keeps the top-k of those k*k as the
+next frontier; ``steps`` depths in all (``steps`` drafter forwards). All candidates
+(``k + (steps-1)*k*k``) compete and the best ``num_draft_tokens - 1`` are verified. Each node
+attends to the prefix and to its own ancestors (the EAGLE tree mask). Greedy verification walks
+down from the root, following the child whose token equals the teacher argmax. (SGLang keeps a
+branch's draft KV in per-branch slots; whether its draft attention always sees exactly the
+ancestors after the frontier is re-ranked was not verified here; this module simulates the
+EAGLE ancestor mask.)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from train.drafter import Eagle3Drafter, TTTCache, _rotate_half
+
+# reasons a chain stopped, per position
+FULL, MISS, END, OFF_PATH = 0, 1, 2, 3
+REASONS = {FULL: "full", MISS: "miss", END: "end", OFF_PATH: "off_path"}
+
+
+@dataclass
+class ChainResult:
+    """Per drafting position (flattened over the batch, row-major over [B, T])."""
+
+    sample: torch.Tensor  # [n] int64 batch row
+    position: torch.Tensor  # [n] int64 p
+    accept_prob: torch.Tensor  # [n, K] float: P(draft k accepted); 0/1 at temperature 0
+    reason: torch.Tensor  # [n] int64, one of FULL/MISS/END/OFF_PATH (at T>0: END or FULL only)
+    drafts: torch.Tensor | None = None  # [n, K] target ids of the greedy drafts (temperature 0)
+
+    @property
+    def accepted(self) -> torch.Tensor:
+        """[n] accepted drafts with chain length K (expected value at T > 0)."""
+        return self.accept_prob.sum(-1)
+
+
+@dataclass
+class TreeResult:
+    sample: torch.Tensor  # [n]
+    position: torch.Tensor  # [n]
+    accepted: torch.Tensor  # [n] int64 accepted drafts along the tree
+    reason: torch.Tensor  # [n] int64 (FULL/MISS/END/OFF_PATH)
+
+
+@dataclass
+class Step0:
+    """The first drafter step over whole sequences: prefix keys for every later step and the depth-1 logits."""
+
+    cache: TTTCache
+    hidden: torch.Tensor  # [B, T, H] step-0 output (pre-norm)
+    logits: torch.Tensor  # [B, T, Vd]
+    attention_mask: torch.Tensor  # [B, T] bool
+
+
+def _shift_left(x: torch.Tensor, s: int, fill: int | float | bool = 0) -> torch.Tensor:
+    """x[:, s:] followed by s ``fill`` columns (dim 1)."""
+    if s == 0:
+        return x
+    pad = torch.full((x.shape[0], min(s, x.shape[1]), *x.shape[2:]), fill, dtype=x.dtype, device=x.device)
+    return torch.cat((x[:, s:], pad), dim=1)
+
+
+def drafting_positions(loss_mask: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """bool [B, T]: p such that tokens p+1 and p+2 exist and are assistant tokens."""
+    ok = loss_mask.to(torch.bool) & attention_mask.to(torch.bool)
+    return _shift_left(ok, 1, False) & _shift_left(ok, 2, False)
+
+
+def evaluable(
+    input_ids: torch.Tensor, loss_mask: torch.Tensor, attention_mask: torch.Tensor, target_ids: torch.Tensor,
+    steps: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(end_ok, path_ok), bool [B, T, K]: whether draft k at p can be verified against row p+1+k.
+
+    end_ok[k]: tokens p+2..p+2+k are real assistant tokens (the answer has not ended);
+    path_ok[k]: the data followed the teacher argmax for the k earlier drafts.
+    """
+    ok = loss_mask.to(torch.bool) & attention_mask.to(torch.bool)
+    ids = input_ids.to(torch.int64)
+    tgt = target_ids.to(torch.int64)
+    end_k, path_k = [], []
+    for k in range(steps):
+        end_k.append(_shift_left(ok, 2 + k, False))
+        if k == 0:
+            path_k.append(torch.ones_like(ok))
+        else:  # data token p+1+k equals argmax row p+k
+            path_k.append(_shift_left(ids, 1 + k, -1) == _shift_left(tgt, k, -2))
+    end_ok = torch.stack(end_k, -1).cummin(-1).values
+    path_ok = torch.stack(path_k, -1).cummin(-1).values
+    return end_ok, path_ok
+
+
+def score_chain(
+    drafts: torch.Tensor, target_ids: torch.Tensor, end_ok: torch.Tensor, path_ok: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(accepted [..] int64, reason [..] int64) of greedy chains.
+
+    ``drafts`` [.., K] target ids of the drafts; ``target_ids`` [.., K] the argmax each is compared
+    with (row p+1+k); ``end_ok``/``path_ok`` [.., K] from :func:`evaluable`.
+    """
+    steps = drafts.shape[-1]
+    ev = end_ok & path_ok
+    hit = ev & (drafts == target_ids)
+    n = hit.to(torch.int64).cummin(-1).values.sum(-1)
+    at = n.clamp(max=steps - 1)[..., None]
+    end_stop = ~end_ok.gather(-1, at).squeeze(-1)
+    path_stop = ~path_ok.gather(-1, at).squeeze(-1)
+    reason = torch.full_like(n, MISS)
+    reason = torch.where(path_stop, torch.full_like(n, OFF_PATH), reason)
+    reason = torch.where(end_stop, torch.full_like(n, END), reason)
+    reason = torch.where(n == steps, torch.full_like(n, FULL), reason)
+    return n, reason
+
+
+def rows_for_steps(x: torch.Tensor, steps: int, fill: int | float = -1) -> torch.Tensor:
+    """[B, T, K] with [..., k] = x row t+1+k (``fill`` past the end)."""
+    return torch.stack([_shift_left(x, 1 + k, fill) for k in range(steps)], -1)
+
+
+def run_step0(
+    drafter: Eagle3Drafter, input_ids: torch.Tensor, aux_hidden: torch.Tensor, attention_mask: torch.Tensor
+) -> Step0:
+    """Step 0 over [B, T]: reads aux[t] and token t+1 at RoPE position t (the serving prefix)."""
+    bsz, seq = input_ids.shape
+    mask = attention_mask.to(torch.bool)
+    ids = input_ids.to(torch.int64).masked_fill(~mask, 0)
+    pos = torch.arange(seq, device=ids.device).expand(bsz, seq)
+    cache = TTTCache()
+    hidden = drafter.project(aux_hidden)
+    hidden = drafter.step(_shift_left(ids, 1), hidden, pos, cache, mask)
+    return Step0(cache=cache, hidden=hidden, logits=drafter.compute_logits(hidden), attention_mask=mask)
+
+
+@torch.no_grad()
+def simulate_chain_greedy(
+    drafter: Eagle3Drafter,
+    *,
+    input_ids: torch.Tensor,
+    aux_hidden: torch.Tensor,
+    attention_mask: torch.Tensor,
+    loss_mask: torch.Tensor,
+    target_ids: torch.Tensor,
+    steps: int,
+    step0: Step0 | None = None,
+) -> tuple[ChainResult, Step0]:
+    """Greedy chain drafting (SGLang topk=1) at every drafting position of a right-padded batch.
+
+    ``target_ids`` [B, T] is the teacher's full-vocab argmax of each row. Returns the per-position
+    result and the step-0 state (reusable by :func:`simulate_tree`).
+    """
+    if steps < 1:
+        raise ValueError(f"simulate_chain_greedy: steps must be >= 1, got {steps}")
+    s0 = step0 if step0 is not None else run_step0(drafter, input_ids, aux_hidden, attention_mask)
+    bsz, seq = input_ids.shape
+    pos = torch.arange(seq, device=input_ids.device).expand(bsz, seq)
+    # private cache: the prefix keys are shared, the diagonal keys are this chain's own
+    cache = TTTCache(keys=[s0.cache.keys[0]], values=[s0.cache.values[0]])
+    d = s0.logits.argmax(-1)
+    tok = drafter.draft_to_target(d)
+    hidden = s0.hidden
+    drafts = [tok]
+    for k in range(1, steps):
+        hidden = drafter.step(tok, hidden, pos + k, cache, s0.attention_mask)
+        d = drafter.compute_logits(hidden).argmax(-1)
+        tok = drafter.draft_to_target(d)
+        drafts.append(tok)
+    drafts_t = torch.stack(drafts, -1)  # [B, T, K]
+    end_ok, path_ok = evaluable(input_ids, loss_mask, attention_mask, target_ids, steps)
+    where = drafting_positions(loss_mask, attention_mask)
+    rows = rows_for_steps(target_ids.to(torch.int64), steps, -1)
+    n, reason = score_chain(drafts_t[where], rows[where], end_ok[where], path_ok[where])
+    b, t = torch.nonzero(where, as_tuple=True)
+    accept = (torch.arange(steps, device=n.device) < n[:, None]).to(torch.float32)
+    return ChainResult(sample=b, position=t, accept_prob=accept, reason=reason, drafts=drafts_t[where]), s0
+
+
+@torch.no_grad()
+def simulate_chain_sampled(
+    drafter: Eagle3Drafter,
+    *,
+    input_ids: torch.Tensor,
+    aux_hidden: torch.Tensor,
+    attention_mask: torch.Tensor,
+    loss_mask: torch.Tensor,
+    teacher_p: torch.Tensor,
+    temperature: float,
+    steps: int,
+) -> ChainResult:
+    """Expected accepted drafts at temperature T > 0 along the data path.
+
+    ``teacher_p`` [B, T, Vd]: the teacher's probability at temperature T of each draft-vocab token
+    (target-vocab normalisation, NOT renormalised over the draft vocab: mass outside it can never
+    be accepted). The drafter reads data tokens at every step (teacher-forced tokens, own hidden).
+    """
+    if temperature <= 0:
+        raise ValueError(f"simulate_chain_sampled: temperature must be > 0, got {temperature}")
+    bsz, seq = input_ids.shape
+    mask = attention_mask.to(torch.bool)
+    ids = input_ids.to(torch.int64).masked_fill(~mask, 0)
+    pos = torch.arange(seq, device=ids.device).expand(bsz, seq)
+    cache = TTTCache()
+    hidden = drafter.project(aux_hidden)
+    end_ok, _ = evaluable(input_ids, loss_mask, attention_mask, torch.zeros_like(ids), steps)
+    alphas = []
+    for k in range(steps):
+        hidden = drafter.step(_shift_left(ids, 1 + k), hidden, pos + k, cache, mask)
+        q = torch.softmax(drafter.compute_logits(hidden).float() / temperature, dim=-1)
+        p = _shift_left(teacher_p.float(), 1 + k, 0.0)
+        alphas.append(torch.minimum(p, q).sum(-1))
+    alpha = torch.stack(alphas, -1) * end_ok.to(torch.float32)  # [B, T, K]
+    where = drafting_positions(loss_mask, attention_mask)
+    a = alpha[where].clamp(0.0, 1.0)
+    accept = a.cumprod(-1)
+    end = end_ok[where]
+    reason = torch.where(end.all(-1), torch.full((a.shape[0],), FULL, device=a.device),
+                         torch.full((a.shape[0],), END, device=a.device))
+    b, t = torch.nonzero(where, as_tuple=True)
+    return ChainResult(sample=b, position=t, accept_prob=accept, reason=reason)
+
+
+# ----------------------------------------------------------------------------- trees
+
+
+def tree_positions(where: torch.Tensor, per_sample: int) -> torch.Tensor:
+    """bool [B, T]: at most ``per_sample`` drafting positions per row, evenly spaced (0 = all). Deterministic."""
+    if per_sample <= 0:
+        return where
+    out = torch.zeros_like(where)
+    for b in range(where.shape[0]):
+        idx = torch.nonzero(where[b]).squeeze(-1)
+        if idx.numel() > per_sample:
+            pick = torch.linspace(0, idx.numel() - 1, per_sample, device=idx.device).round().long()
+            idx = idx[pick]
+        out[b, idx] = True
+    return out
+
+
+def _node_step(
+    drafter: Eagle3Drafter,
+    ids: torch.Tensor,
+    hidden: torch.Tensor,
+    pos: torch.Tensor,
+    prefix: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    anc_k: torch.Tensor,
+    anc_v: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One midlayer application for tree nodes; the same maths as Eagle3Drafter.step, other attention.
+
+    ids/pos [B, M], hidden [B, M, H]. ``prefix`` = (k0, v0 [B, n_kv, T, hd], visible [B, M, T] bool):
+    the step-0 keys each node sees. ``anc_k``/``anc_v`` [B, M, A, n_kv, hd]: the node's ancestors'
+    keys (all visible). Returns (h2 [B, M, H], own key, own value [B, M, n_kv, hd]).
+    """
+    c = drafter.config
+    mid = drafter.midlayer
+    attn = mid.self_attn
+    bsz, m = ids.shape
+    nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    groups = nh // nkv
+    emb = drafter.embed_tokens(ids).to(hidden.dtype)
+    x = torch.cat((mid.input_layernorm(emb), mid.hidden_norm(hidden)), dim=-1)
+    q = attn.q_proj(x).view(bsz, m, nkv, groups, hd)
+    k = attn.k_proj(x).view(bsz, m, nkv, hd)
+    v = attn.v_proj(x).view(bsz, m, nkv, hd)
+    cos, sin = drafter.rope_cos_sin(pos, q.dtype)  # [B, M, hd]
+    k = k * cos[:, :, None] + _rotate_half(k) * sin[:, :, None]
+    q = q * cos[:, :, None, None] + _rotate_half(q) * sin[:, :, None, None]
+    k0, v0, visible = prefix
+    scale = math.sqrt(hd)
+    s_pre = torch.einsum("bmkgd,bktd->bmkgt", q, k0) / scale  # [B, M, n_kv, g, T]
+    s_pre = s_pre.masked_fill(~visible[:, :, None, None, :], torch.finfo(s_pre.dtype).min)
+    keys = torch.cat((anc_k, k[:, :, None]), dim=2)  # [B, M, A+1, n_kv, hd]
+    values = torch.cat((anc_v, v[:, :, None]), dim=2)
+    s_anc = torch.einsum("bmkgd,bmakd->bmkga", q, keys) / scale
+    probs = torch.softmax(torch.cat((s_pre, s_anc), -1), dim=-1, dtype=torch.float32).to(q.dtype)
+    seq = k0.shape[2]
+    out = torch.einsum("bmkgt,bktd->bmkgd", probs[..., :seq], v0)
+    out = out + torch.einsum("bmkga,bmakd->bmkgd", probs[..., seq:], values)
+    h1 = hidden + attn.o_proj(out.reshape(bsz, m, nh * hd))
+    return h1 + mid.mlp(mid.post_attention_layernorm(h1)), k, v
+
+
+def _gather(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """x [B, P, k, ...] gathered along dim 2 with idx [B, P, j] -> [B, P, j, ...]."""
+    shape = (*idx.shape, *x.shape[3:])
+    full = idx.reshape(*idx.shape, *([1] * (x.dim() - 3))).expand(shape)
+    return x.gather(2, full)
+
+
+@torch.no_grad()
+def simulate_tree(
+    drafter: Eagle3Drafter,
+    step0: Step0,
+    *,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    target_ids: torch.Tensor,
+    positions: torch.Tensor,
+    topk: int,
+    num_draft_tokens: int,
+    steps: int,
+) -> TreeResult:
+    """Greedy acceptance of SGLang-style EAGLE trees at the positions marked in ``positions`` [B, T]."""
+    if topk < 1 or steps < 1:
+        raise ValueError(f"simulate_tree: topk and steps must be >= 1, got topk={topk}, steps={steps}")
+    n_cand = topk + (steps - 1) * topk * topk
+    if not 2 <= num_draft_tokens <= n_cand + 1:
+        raise ValueError(
+            f"simulate_tree: num_draft_tokens={num_draft_tokens} must be in [2, {n_cand + 1}] "
+            f"(topk {topk}, steps {steps} give {n_cand} candidate nodes + the root)"
+        )
+    mask = step0.attention_mask
+    device = input_ids.device
+    bsz, seq = input_ids.shape
+    vd = step0.logits.shape[-1]
+    if topk > vd:
+        raise ValueError(f"simulate_tree: topk={topk} exceeds the draft vocab size {vd}")
+    counts = positions.sum(1)
+    width = int(counts.max()) if bsz else 0
+    empty = torch.zeros(0, dtype=torch.int64, device=device)
+    if width == 0:
+        return TreeResult(sample=empty, position=empty, accepted=empty, reason=empty)
+    # [B, P] padded list of positions per row
+    order = torch.sort(positions.to(torch.int8), dim=1, descending=True, stable=True).indices[:, :width]
+    valid = torch.arange(width, device=device)[None] < counts[:, None]
+    pos = torch.where(valid, order, torch.zeros_like(order))  # [B, P]
+    bidx = torch.arange(bsz, device=device)[:, None].expand_as(pos)
+
+    k0, v0 = step0.cache.keys[0], step0.cache.values[0]
+    visible = (torch.arange(seq, device=device)[None, None] <= pos[..., None]) & mask[:, None, :]  # [B, P, T]
+    c = drafter.config
+    nkv, hd = c.num_key_value_heads, c.head_dim
+
+    probs = torch.softmax(step0.logits[bidx, pos].float(), -1)  # [B, P, Vd]
+    score, did = probs.topk(topk, dim=-1)  # [B, P, k]
+    tok = drafter.draft_to_target(did)
+    cand_score, cand_tok = [score], [tok]
+    cand_parent = [torch.full_like(did, -1)]
+    front_score, front_tok = score, tok
+    front_idx = torch.arange(topk, device=device).expand_as(did)
+    front_hidden = step0.hidden[bidx, pos][:, :, None].expand(-1, -1, topk, -1)  # [B, P, k, H]
+    anc_k = k0.new_zeros((bsz, width, topk, 0, nkv, hd))
+    anc_v = anc_k.clone()
+    m = width * topk
+
+    def flat(x: torch.Tensor) -> torch.Tensor:  # [B, P, k, ...] -> [B, P*k, ...]
+        return x.reshape(bsz, m, *x.shape[3:])
+
+    for depth in range(2, steps + 1):
+        vis = visible[:, :, None].expand(-1, -1, topk, -1).reshape(bsz, m, seq)
+        h, key, val = _node_step(
+            drafter,
+            flat(front_tok),
+            flat(front_hidden),
+            flat((pos + depth - 1)[:, :, None].expand(-1, -1, topk)),
+            (k0, v0, vis),
+            flat(anc_k),
+            flat(anc_v),
+        )
+        h = h.view(bsz, width, topk, -1)
+        key = key.view(bsz, width, topk, 1, nkv, hd)
+        val = val.view(bsz, width, topk, 1, nkv, hd)
+        cp, ci = torch.softmax(drafter.compute_logits(h).float(), -1).topk(topk, dim=-1)  # [B, P, k, k]
+        exp_score = (front_score[..., None] * cp).reshape(bsz, width, topk * topk)
+        exp_tok = drafter.draft_to_target(ci).reshape(bsz, width, topk * topk)
+        offset = topk + (depth - 2) * topk * topk
+        cand_score.append(exp_score)
+        cand_tok.append(exp_tok)
+        cand_parent.append(front_idx[..., None].expand(-1, -1, -1, topk).reshape(bsz, width, topk * topk))
+        front_score, pick = exp_score.topk(topk, dim=-1)  # the next frontier
+        slot = torch.div(pick, topk, rounding_mode="floor")  # parent's place in the old frontier
+        front_tok = exp_tok.gather(-1, pick)
+        front_idx = offset + pick
+        front_hidden = _gather(h, slot)
+        anc_k = torch.cat((_gather(anc_k, slot), _gather(key, slot)), dim=3)
+        anc_v = torch.cat((_gather(anc_v, slot), _gather(val, slot)), dim=3)
+
+    scores = torch.cat(cand_score, -1)  # [B, P, C]
+    toks = torch.cat(cand_tok, -1)
+    parents = torch.cat(cand_parent, -1)
+    chosen = scores.topk(num_draft_tokens - 1, dim=-1).indices
+    selected = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, chosen, True)
+
+    end_ok, path_ok = evaluable(input_ids, loss_mask, mask, target_ids, steps)
+    rows = rows_for_steps(target_ids.to(torch.int64), steps, -1)
+    end_ok, path_ok, rows = end_ok[bidx, pos], path_ok[bidx, pos], rows[bidx, pos]  # [B, P, K]
+    cur = torch.full((bsz, width), -1, dtype=torch.int64, device=device)
+    alive = torch.ones_like(cur, dtype=torch.bool)
+    n = torch.zeros_like(cur)
+    reason = torch.full_like(cur, FULL)
+    for depth in range(1, steps + 1):
+        lo = 0 if depth == 1 else topk + (depth - 2) * topk * topk
+        hi = topk if depth == 1 else lo + topk * topk
+        k = depth - 1
+        match = (parents[..., lo:hi] == cur[..., None]) & selected[..., lo:hi] & (toks[..., lo:hi] == rows[..., k, None])
+        ev = end_ok[..., k] & path_ok[..., k]
+        hit = alive & ev & match.any(-1)
+        stop = alive & ~hit
+        r = torch.where(~end_ok[..., k], torch.full_like(cur, END),
+                        torch.where(~path_ok[..., k], torch.full_like(cur, OFF_PATH), torch.full_like(cur, MISS)))
+        reason = torch.where(stop, r, reason)
+        cur = torch.where(hit, lo + match.to(torch.float32).argmax(-1), cur)
+        n = n + hit.to(torch.int64)
+        alive = hit
+    return TreeResult(sample=bidx[valid], position=pos[valid], accepted=n[valid], reason=reason[valid])

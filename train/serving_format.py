@@ -1,0 +1,364 @@
+"""The serving checkpoint format, in one place: tensor table, config.json writer, foreign-config reader.
+
+SGLang's ``LlamaForCausalLMEagle3`` silently skips weight names it does not know (the parameter
+stays ``torch.empty`` garbage) and silently uses draft ids as target ids when ``d2t`` is missing;
+vLLM's ``Eagle3LlamaForCausalLM`` raises on unknown names and on ``model.``-prefixed keys. So the
+key set is not left to whatever a state dict happens to hold: :func:`expected_tensors` is the one
+table both formats are checked against (:func:`check_serving_state`), on export and on import.
+
+The two formats share the tensors (un-prefixed ``midlayer.*``, ``fc``, ``norm``, ``lm_head``,
+``d2t``, ``t2d``; both engines drop ``t2d``). They differ in ``config.json``: the aux layer ids
+are written in the chosen engine's convention for the target's architecture
+(``extract.layers.to_engine_layer_ids``), e.g. a Llama target's ``[1, 14, 26]`` for SGLang is
+``[2, 15, 27]`` for vLLM, while the DeepSeek/Kimi family is ``[2, 30, 58]`` for both.
+
+Only the SGLang/SpecForge layout is read back (``LlamaForCausalLMEagle3`` with a nested
+``eagle_config``); speculators-format (``Eagle3Speculator``) and MLA drafters are refused by name.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from extract.layers import ENGINES, default_aux_layer_ids, from_engine_layer_ids, to_engine_layer_ids
+from train.drafter import EMBED_KEY, DrafterConfig
+
+log = logging.getLogger(__name__)
+
+SERVING_ARCH = "LlamaForCausalLMEagle3"
+FORMATS = ENGINES  # ("sglang", "vllm"): one serving format per engine
+WEIGHTS_NAME = "model.safetensors"
+
+# config.json switches of newer EAGLE-3 variants that this drafter does not implement; written as
+# false on export, refused when true on import (norm_before_residual: vLLM only; SGLang never reads it).
+UNSUPPORTED_SWITCHES = ("norm_before_fc", "fc_norm", "use_aux_norm", "norm_output", "norm_before_residual")
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ServingFormatError(ValueError):
+    """A serving checkpoint (config.json or weights) that the engines would misload or reject."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape and kind of one serving tensor; kind is "float" (any float dtype), "int64" or "bool"."""
+
+    shape: tuple[int, ...]
+    kind: str
+
+    def describe(self) -> str:
+        return f"{self.kind} {list(self.shape)}"
+
+
+def _check_format(fmt: str) -> None:
+    if fmt not in FORMATS:
+        raise ServingFormatError(f"unknown serving format {fmt!r}; expected one of {FORMATS}")
+
+
+def expected_tensors(cfg: DrafterConfig, fmt: str = "sglang", with_embedding: bool = False) -> dict[str, TensorSpec]:
+    """THE table: every key a ``fmt`` checkpoint of ``cfg`` holds, with its shape, nothing else.
+
+    Shapes follow SGLang's loader: q/k/v read the 2H-wide [embedding, hidden] concatenation and
+    fc reads the n_aux * H_target concatenation of aux layers. Keys carry no ``model.`` prefix
+    (vLLM rejects it). ``embed_tokens.weight`` only for a standalone folder (``with_embedding``).
+    """
+    _check_format(fmt)
+    h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q_out, kv_out = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    f = "float"
+    table = {
+        "midlayer.self_attn.q_proj.weight": TensorSpec((q_out, 2 * h), f),
+        "midlayer.self_attn.k_proj.weight": TensorSpec((kv_out, 2 * h), f),
+        "midlayer.self_attn.v_proj.weight": TensorSpec((kv_out, 2 * h), f),
+        "midlayer.self_attn.o_proj.weight": TensorSpec((h, q_out), f),
+        "midlayer.mlp.gate_proj.weight": TensorSpec((inter, h), f),
+        "midlayer.mlp.up_proj.weight": TensorSpec((inter, h), f),
+        "midlayer.mlp.down_proj.weight": TensorSpec((h, inter), f),
+        "midlayer.hidden_norm.weight": TensorSpec((h,), f),
+        "midlayer.input_layernorm.weight": TensorSpec((h,), f),
+        "midlayer.post_attention_layernorm.weight": TensorSpec((h,), f),
+        "fc.weight": TensorSpec((h, cfg.num_aux_layers * cfg.target_hidden_size), f),
+        "norm.weight": TensorSpec((h,), f),
+        "lm_head.weight": TensorSpec((cfg.draft_vocab_size, h), f),
+        "d2t": TensorSpec((cfg.draft_vocab_size,), "int64"),  # target id = draft id + d2t[draft id]
+        "t2d": TensorSpec((cfg.vocab_size,), "bool"),
+    }
+    if with_embedding:
+        table[EMBED_KEY] = TensorSpec((cfg.vocab_size, h), f)
+    return table
+
+
+def canonical_key(key: str) -> str:
+    """Our name for an SGLang-internal or speculators-style name (``model.`` prefix, ``layers.0.``)."""
+    if key.startswith("model."):
+        key = key[len("model."):]
+    if key.startswith("layers.0."):
+        key = "midlayer." + key[len("layers.0."):]
+    return key
+
+
+def _kind_ok(tensor: torch.Tensor, kind: str) -> bool:
+    if kind == "float":
+        return tensor.is_floating_point()
+    return tensor.dtype == {"int64": torch.int64, "bool": torch.bool}[kind]
+
+
+def check_serving_state(
+    state: Mapping[str, torch.Tensor],
+    cfg: DrafterConfig,
+    fmt: str = "sglang",
+    with_embedding: bool = False,
+    *,
+    dtype: torch.dtype | None = None,
+) -> None:
+    """Refuse anything but exactly the table's keys with its shapes and dtypes, all finite.
+
+    ``dtype`` (optional) is the float dtype every float tensor must have. All problems are
+    reported at once, one line per key, with expected and found shape/dtype.
+    """
+    spec = expected_tensors(cfg, fmt, with_embedding)
+    problems: list[str] = []
+    for key in sorted(set(spec) - set(state)):
+        hint = ""
+        if key == "d2t":
+            hint = " (without it SGLang/vLLM use draft ids as target ids and acceptance collapses silently)"
+        elif key == EMBED_KEY:
+            hint = " (--with-embedding needs the target's embedding)"
+        problems.append(f"missing key {key!r}: expected {spec[key].describe()}{hint}")
+    for key in sorted(set(state) - set(spec)):
+        canon = canonical_key(key)
+        if canon != key and canon in spec:
+            hint = f"; write it as {canon!r} (vLLM rejects 'model.'/'layers.0.' names)"
+        elif key == EMBED_KEY:
+            hint = "; the embedding is written only with --with-embedding (serving takes the target's)"
+        else:
+            hint = f"; not in the {fmt} table: SGLang would skip it silently and vLLM would refuse to load"
+        problems.append(f"unexpected key {key!r} {tuple(state[key].shape)}{hint}")
+    for key in sorted(set(spec) & set(state)):
+        want, t = spec[key], state[key]
+        if tuple(t.shape) != want.shape:
+            problems.append(f"key {key!r}: expected shape {list(want.shape)}, found {list(t.shape)}")
+            continue
+        if not _kind_ok(t, want.kind):
+            problems.append(f"key {key!r}: expected {want.kind}, found {t.dtype}")
+            continue
+        if want.kind == "float":
+            if dtype is not None and t.dtype != dtype:
+                problems.append(f"key {key!r}: expected {dtype}, found {t.dtype}")
+            bad = int((~torch.isfinite(t)).sum())
+            if bad:
+                problems.append(f"key {key!r}: {bad} of {t.numel()} values are NaN or Inf")
+    if not problems and "d2t" in state:
+        from train.vocab import check_vocab_mapping
+
+        try:
+            check_vocab_mapping(state["d2t"], state["t2d"], cfg.vocab_size)
+        except ValueError as e:
+            problems.append(f"keys 'd2t'/'t2d': {e}")
+    if problems:
+        raise ServingFormatError(f"{fmt} serving weights do not match the table:\n  " + "\n  ".join(problems))
+
+
+def canonical_state(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    """(weights under our names without the embedding, the embedding or None) of a drafter folder.
+
+    Foreign folders may use SGLang's internal ``model.`` names or ship ``embed_tokens.weight``
+    (SpecForge's standalone export); serving always takes the target's embedding, so it is split off.
+    """
+    out: dict[str, torch.Tensor] = {}
+    origin: dict[str, str] = {}
+    embedding = None
+    for key, tensor in state.items():
+        name = canonical_key(key)
+        if name in origin:
+            raise ServingFormatError(f"keys {origin[name]!r} and {key!r} both name {name!r}")
+        origin[name] = key
+        if name == EMBED_KEY:
+            embedding = tensor
+        else:
+            out[name] = tensor
+    return out, embedding
+
+
+def load_serving_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """Weights of a drafter folder's model.safetensors under our names, embedding dropped."""
+    from safetensors.torch import load_file
+
+    try:
+        state, embedding = canonical_state(load_file(str(path)))
+    except ServingFormatError as e:
+        raise ServingFormatError(f"{path}: {e}") from e
+    if embedding is not None:
+        log.info("%s: ignoring %s (serving and training use the target's embedding)", path, EMBED_KEY)
+    return state
+
+
+# ----------------------------------------------------------------------------- config.json
+
+
+def _rope_fields(cfg: DrafterConfig) -> dict[str, Any]:
+    """rope in both spellings: legacy ``rope_theta`` + ``rope_scaling`` and transformers-5 ``rope_parameters``."""
+    if cfg.rope_scaling is None:
+        return {
+            "rope_theta": cfg.rope_theta,
+            "rope_scaling": None,
+            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        }
+    legacy = {k: v for k, v in cfg.rope_scaling.items() if k != "rope_theta"}
+    params = {k: v for k, v in legacy.items() if k != "type"}
+    params = {"rope_type": legacy.get("rope_type", legacy.get("type")), **params, "rope_theta": cfg.rope_theta}
+    return {"rope_theta": cfg.rope_theta, "rope_scaling": legacy, "rope_parameters": params}
+
+
+def serving_config(
+    cfg: DrafterConfig,
+    *,
+    engine: str = "sglang",
+    torch_dtype: str | None = None,
+    max_position_embeddings: int | None = None,
+) -> dict[str, Any]:
+    """config.json for ``engine``'s EAGLE-3 loader (and the training checkpoints' own config.json).
+
+    Every field SGLang's ``LlamaForCausalLMEagle3`` and vLLM's loader read is written explicitly,
+    the switches of EAGLE-3 variants this drafter is not (``norm_before_fc``, ``fc_norm``,
+    ``norm_output``, ``norm_before_residual``) as false. ``max_position_embeddings`` should be
+    the target's context length: SGLang refuses a drafter shorter than its target.
+    """
+    _check_format(engine)
+    engine_ids = to_engine_layer_ids(cfg.aux_layer_ids, engine, cfg.target_architecture)
+    config: dict[str, Any] = {
+        "architectures": [SERVING_ARCH],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "hidden_size": cfg.hidden_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.intermediate_size,
+        "hidden_act": cfg.hidden_act,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "vocab_size": cfg.vocab_size,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        "num_aux_hidden_states": cfg.num_aux_layers,
+        "max_position_embeddings": int(max_position_embeddings or cfg.max_position_embeddings),
+        **_rope_fields(cfg),
+        "tie_word_embeddings": False,
+        "bias": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        **{name: False for name in UNSUPPORTED_SWITCHES if name != "use_aux_norm"},
+        "torch_dtype": torch_dtype or cfg.torch_dtype,
+        # nested: SGLang's target-side capture reads only eagle_config's ids
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": engine_ids, "use_aux_hidden_state": True},
+    }
+    return config
+
+
+def _rope_from_config(config: Mapping[str, Any]) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) from either spelling; refuses the two spellings disagreeing."""
+    theta = config.get("rope_theta")
+    scaling = config.get("rope_scaling")
+    params = config.get("rope_parameters")
+    if scaling is not None and not isinstance(scaling, Mapping):
+        raise ServingFormatError(f"rope_scaling must be an object or null, got {scaling!r}")
+    if params is not None and not isinstance(params, Mapping):
+        raise ServingFormatError(f"rope_parameters must be an object or null, got {params!r}")
+    if isinstance(params, Mapping):
+        p_theta = params.get("rope_theta")
+        if theta is not None and p_theta is not None and not math.isclose(float(theta), float(p_theta)):
+            raise ServingFormatError(f"rope_theta={theta} disagrees with rope_parameters.rope_theta={p_theta}")
+        theta = theta if theta is not None else p_theta
+        p_type = params.get("rope_type", params.get("type", "default"))
+        if scaling is None and p_type != "default":
+            scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        elif scaling is not None:
+            s_type = scaling.get("rope_type", scaling.get("type", "default"))
+            if s_type != p_type:
+                raise ServingFormatError(
+                    f"rope_scaling type {s_type!r} disagrees with rope_parameters.rope_type {p_type!r}"
+                )
+    if scaling is not None and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        scaling = None
+    if scaling is not None:
+        scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
+    return float(theta if theta is not None else 10000.0), scaling
+
+
+def drafter_config_from_serving(
+    config: Mapping[str, Any], *, target_architecture: str, target_num_layers: int, engine: str = "sglang"
+) -> DrafterConfig:
+    """DrafterConfig of a foreign drafter's config.json (SGLang/SpecForge layout only).
+
+    A serving config lacks the target's facts, so the caller names the target architecture (which
+    decides how the ids are read, see ``extract.layers``) and its layer count (for SGLang's
+    default ids when the config has none). ``engine`` is the convention the ids were written in.
+    """
+    _check_format(engine)
+    archs = list(config.get("architectures") or [])
+    if "speculators_model_type" in config or "Eagle3Speculator" in archs:
+        raise ServingFormatError(
+            f"architectures {archs}: a speculators-format config; only the SGLang/SpecForge layout "
+            f"({SERVING_ARCH} with a nested eagle_config) can be imported"
+        )
+    if SERVING_ARCH not in archs:
+        raise ServingFormatError(
+            f"architectures {archs} do not include {SERVING_ARCH} (only the SGLang/SpecForge Llama-layer "
+            "EAGLE-3 layout is supported; MLA drafters such as Eagle3DeepseekV2ForCausalLM are not)"
+        )
+    layers = int(config.get("num_hidden_layers", 1))
+    if layers != 1:
+        raise ServingFormatError(f"num_hidden_layers={layers}: only one-layer drafters are supported")
+    eagle = config.get("eagle_config") or {}
+    if not isinstance(eagle, Mapping):
+        raise ServingFormatError(f"eagle_config must be an object, got {eagle!r}")
+    for name in UNSUPPORTED_SWITCHES:
+        if eagle.get(name) or config.get(name):
+            raise ServingFormatError(f"{name}=true: this EAGLE-3 variant is not implemented by redraft's drafter")
+    engine_ids = eagle.get("eagle_aux_hidden_state_layer_ids")
+    if engine_ids is None:
+        if config.get("eagle_aux_hidden_state_layer_ids") is not None:
+            log.warning("config.json: top-level eagle_aux_hidden_state_layer_ids is ignored by SGLang's capture; "
+                        "using the engine default ids as SGLang would")
+        ids = default_aux_layer_ids(target_num_layers)  # what SGLang captures when nothing is configured
+    else:
+        ids = from_engine_layer_ids(engine_ids, engine, target_architecture)
+    for key in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size"):
+        if config.get(key) is None:
+            raise ServingFormatError(f"key {key!r} is missing")
+    heads = int(config["num_attention_heads"])
+    theta, scaling = _rope_from_config(config)
+    return DrafterConfig(
+        hidden_size=int(config["hidden_size"]),
+        num_attention_heads=heads,
+        num_key_value_heads=int(config.get("num_key_value_heads") or heads),
+        head_dim=int(config.get("head_dim") or int(config["hidden_size"]) // heads),
+        intermediate_size=int(config["intermediate_size"]),
+        vocab_size=int(config["vocab_size"]),
+        draft_vocab_size=int(config.get("draft_vocab_size") or config["vocab_size"]),
+        target_hidden_size=int(config.get("target_hidden_size") or config["hidden_size"]),
+        aux_layer_ids=ids,
+        target_num_layers=int(target_num_layers),
+        target_architecture=target_architecture,
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+        hidden_act=str(config.get("hidden_act", "silu")),
+        torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or "bfloat16"),
+    )
+
+
+def torch_dtype_of(name: str) -> torch.dtype:
+    """torch dtype of a config.json dtype name ("bfloat16", "float32", "float16")."""
+    if name not in _TORCH_DTYPES:
+        raise ServingFormatError(f"dtype {name!r} is not one of {sorted(_TORCH_DTYPES)}")
+    return _TORCH_DTYPES[name]
