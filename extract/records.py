@@ -43,6 +43,7 @@ _SHAREGPT_ROLES = {
 }
 _OPENAI_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 _LOG_LIMIT = 20  # warnings per reason before we only count
+_BOM = b"\xef\xbb\xbf"
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,8 @@ def _iter_jsonl(path: Path) -> Iterator[_Row]:
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
             origin = f"{path}:{lineno}"
+            if lineno == 1 and raw.startswith(_BOM):
+                raw = raw[len(_BOM):]  # files saved by Windows editors: the BOM is not part of the record
             if not raw.strip():
                 continue
             try:
@@ -113,15 +116,24 @@ def _iter_jsonl(path: Path) -> Iterator[_Row]:
                 yield _Row(origin, lineno, value=json.loads(text))
             except json.JSONDecodeError as e:
                 yield _Row(origin, lineno, bad=_Bad("invalid_json", str(e)))
+            except RecursionError:
+                yield _Row(origin, lineno, bad=_Bad("invalid_json", "nested too deeply to parse"))
 
 
 def _json_rows(path: Path) -> list[Any]:
     try:
-        data = json.loads(path.read_bytes().decode("utf-8"))
+        text = path.read_bytes().decode("utf-8-sig")  # -sig: a leading BOM is dropped, not a parse error
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not UTF-8 ({e})") from e
+    if not text.strip():
+        logger.warning("%s: empty file, no records", path)
+        return []
+    try:
+        data = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from e
+    except RecursionError:
+        raise ValueError(f"{path}: invalid JSON (nested too deeply to parse)") from None
     if isinstance(data, list):
         return data
     if isinstance(data, dict):
@@ -200,6 +212,10 @@ def _turn_list(obj: dict, key: str) -> list:
 def _text(value: Any, where: str) -> str:
     if not isinstance(value, str):
         raise _Bad("non_string_content", f"{where} is {type(value).__name__}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:  # a lone surrogate (a \\ud800-style JSON escape): the tokenizer would crash on it
+        raise _Bad("not_utf8", f"{where}: {e.reason} at character {e.start}") from None
     return value
 
 

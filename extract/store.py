@@ -270,6 +270,12 @@ def _atomic_write_bytes(path: Path, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if e.filename is not None:
+            raise
+        # write()/fsync() errors (ENOSPC, EIO) carry no file name: add the one being written
+        raise OSError(e.errno, e.strerror or str(e), str(path)) from e
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -867,6 +873,7 @@ class DatasetReader:
                 self.num_loss_tokens.append(int(s.get("num_loss_tokens", 0)))
                 self.truncated.append(bool(s.get("truncated", False)))
                 self._loc.append((si, hdr.offsets[j], hdr.offsets[j + 1]))
+        self._check_totals(mpath)
         self._index: dict[str, int] = {}
         for i, sid in enumerate(self.sample_ids):
             if sid in self._index:
@@ -875,6 +882,14 @@ class DatasetReader:
                 )
             self._index[sid] = i
         self._open: dict[int, Any] = {}
+
+    def _check_totals(self, mpath: Path) -> None:
+        """The manifest totals must equal the sum of its shards (cheap: headers are already parsed)."""
+        got = {"num_samples": len(self.sample_ids), "num_tokens": sum(self.lengths),
+               "num_loss_tokens": sum(self.num_loss_tokens)}
+        for key, value in got.items():
+            if key in self.manifest and int(self.manifest[key]) != value:
+                raise DatasetError(f"{mpath}: {key} {self.manifest[key]} disagrees with its shards ({value})")
 
     def _check_layout(self, hdr: ShardHeader) -> None:
         if not hdr.samples:
@@ -935,7 +950,7 @@ class DatasetReader:
             last = _decode_hidden(
                 rows("last_hidden"), rows("last_scale") if "last_scale" in hdr.shapes else None
             )
-        return SampleFeatures(
+        sample = SampleFeatures(
             sample_id=self.sample_ids[i],
             source=self.sources[i],
             category=self.categories[i],
@@ -947,6 +962,25 @@ class DatasetReader:
             last_hidden=last,
             truncated=self.truncated[i],
         )
+        self._check_values(sample, hdr.path, a, b)
+        return sample
+
+    def _check_values(self, s: SampleFeatures, path: Path, a: int, b: int) -> None:
+        """Damage the header checks cannot see (flipped data bytes): NaN/Inf, ids outside the vocab.
+
+        The writer refuses both, so either means the file changed after it was written; failing
+        here names the file instead of training on it (a NaN loss, or an index error in the embedding).
+        """
+        where = f"{path}: sample {s.sample_id!r} (rows {a}..{b})"
+        vocab = self.vocab_size
+        for key, ids in (("input_ids", s.input_ids), ("topk_ids", s.topk_ids)):
+            if ids is not None and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+                raise DatasetError(f"{where}: key {key!r} holds ids outside 0..{vocab - 1}; "
+                                   "run python -m extract.verify on the dataset")
+        bad = _non_finite_fields(s)
+        if bad:
+            raise DatasetError(f"{where}: non-finite values in {', '.join(bad)}; "
+                               "run python -m extract.verify --deep on the dataset")
 
     def __getitem__(self, i: int) -> SampleFeatures:
         return self.get(i)

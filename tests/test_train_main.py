@@ -71,7 +71,7 @@ def test_unknown_keys_and_bad_values_are_refused_by_name(tmp_path):
 def test_shipped_train_configs_load():
     demo = load_config(ROOT / "configs/demo/train.yaml", ["--data", "d", "--out", "o"])
     assert (demo.hidden_size, demo.num_attention_heads, demo.num_key_value_heads, demo.head_dim,
-            demo.intermediate_size, demo.dtype) == (576, 9, 3, 64, 1536, "fp32")
+            demo.intermediate_size, demo.dtype) == (576, 9, 3, 64, 768, "fp32")
     kimi = load_config(ROOT / "configs/kimi-k25/train.yaml", ["--data", "d", "--out", "o"])
     assert (kimi.hidden_size, kimi.num_attention_heads, kimi.num_key_value_heads, kimi.head_dim,
             kimi.intermediate_size, kimi.draft_vocab_size, kimi.lr, kimi.ttt_steps, kimi.max_length,

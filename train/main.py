@@ -183,6 +183,34 @@ def read_target_tensor(target_path: Path, keys: list[str]) -> torch.Tensor:
     raise KeyError(f"none of {keys} found in {[str(f) for f in files]} (or their index)")
 
 
+FINGERPRINT_KEYS = ("tokenizer_hash", "chat_template_hash")
+
+
+def check_init_fingerprint(init_from: Path, manifest: dict, data: str) -> None:
+    """Refuse --init-from a redraft drafter trained on data of another tokenizer or chat template.
+
+    Shapes can agree while token ids mean different things (same vocab size, other tokenizer):
+    the drafter's d2t mapping and everything it learnt would then be silently wrong. Foreign
+    folders (no redraft.json) carry no fingerprint; only their shapes are checked.
+    """
+    from train.checkpoint import REDRAFT_RECORD, CheckpointError
+
+    path = init_from / REDRAFT_RECORD
+    if not path.is_file():
+        return
+    try:
+        recorded = (json.loads(path.read_text()).get("dataset") or {})
+    except ValueError as e:
+        raise CheckpointError(f"{path}: not valid JSON: {e}") from e
+    problems = [
+        f"{key}: {init_from} was trained on {recorded[key]!r}, {data} has {manifest.get(key)!r}"
+        for key in FINGERPRINT_KEYS
+        if recorded.get(key) and manifest.get(key) and recorded[key] != manifest[key]
+    ]
+    if problems:
+        raise CheckpointError(f"--init-from {init_from} does not fit the data: " + "; ".join(problems))
+
+
 def cosine_with_warmup(total_steps: int, warmup_ratio: float, min_ratio: float):
     """LambdaLR factor: linear warmup over ceil(ratio*total) steps, then cosine down to min_ratio."""
     warmup = math.ceil(total_steps * warmup_ratio)
@@ -284,6 +312,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         fields = ("hidden_size", "target_hidden_size", "vocab_size", "draft_vocab_size", "aux_layer_ids",
                   *[k for k in overrides if k not in ("max_position_embeddings", "rope_theta")])
         check_init_compatible(init_cfg, wanted, cfg.init_from, fields)
+        check_init_fingerprint(Path(cfg.init_from), manifest, cfg.data)
         drafter_cfg = DrafterConfig.from_dict({
             **init_cfg.to_dict(), "target_architecture": wanted.target_architecture,
             "target_num_layers": wanted.target_num_layers, "torch_dtype": wanted.torch_dtype,

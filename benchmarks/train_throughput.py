@@ -1,0 +1,441 @@
+"""Training throughput: tokens/s, achieved FLOP/s and peak memory next to the machine's matmul peak.
+
+A benchmark, not a test. For each drafter shape (the demo config and a larger one) it reports
+
+  * in-process (1 process, --threads threads): one optimizer step exactly as train/main.py runs
+    it (teacher_from_topk densification, TTTModel forward over K TTT steps, backward, gradient
+    clipping, AdamW), timed best-of-N, with a timed square fp32 matmul at the same thread count
+    interleaved between the repeats (the "peak"); the figure is achieved FLOP/s / peak;
+  * through train/main.py itself on a synthetic dataset (extract.store.write_shard +
+    finalize_dataset) and a stub target folder: 1 plain process (--threads threads) and 2
+    DeepSpeed ZeRO-2 processes over gloo (`accelerate launch --config_file
+    configs/accelerate/cpu-2proc-zero2.yaml`, 1 thread each), tokens/s read from the run's own
+    metrics.jsonl (log_every 1, first step dropped as warm-up, best step kept), against the
+    peak at that process/thread layout (2-process peak = 2 x the 1-thread matmul peak).
+
+FLOPs counted (analytic, matmuls only, per token; norms, RoPE, softmax, SiLU, the loss and the
+optimizer count as 0): forward = fc (2 * 3Ht * H, once) + per TTT step k: q/k/v (2 * 2H * (nh +
+2 nkv) * hd), o (2 * nh * hd * H), MLP (3 * 2 * H * I), lm_head (2 * H * Vd), attention scores
+and values over the keys a query may see, causal step-0 keys plus k diagonal keys (4 * nh * hd *
+((T + 1) / 2 + k)); backward = 2 x forward, except fc whose input needs no gradient (1 x). The
+eager attention actually multiplies the full [T, T] block, so the causal count is the *useful*
+work. Peak memory is ru_maxrss of a worker process per shape (and its growth over the RSS
+before the first step); the train/main.py rows report the largest rank's ru_maxrss.
+
+    python benchmarks/train_throughput.py --json bench-train.json          # everything (~3-4 min)
+    python benchmarks/train_throughput.py --skip-main --profile prof.txt   # in-process + profile only
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+log = logging.getLogger("bench.train")
+
+ACCELERATE_CPU_CONFIG = ROOT / "configs/accelerate/cpu-2proc-zero2.yaml"
+DEMO_TRAIN_CONFIG = ROOT / "configs/demo/train.yaml"
+
+
+@dataclass
+class Shape:
+    """One drafter + micro-batch shape (hidden sizes follow the SmolLM2-135M demo target)."""
+
+    name: str
+    intermediate: int
+    draft_vocab: int
+    batch: int  # samples per micro-batch
+    seq: int  # tokens per sample (no padding: every token is real)
+    hidden: int = 576
+    heads: int = 9
+    kv_heads: int = 3
+    head_dim: int = 64
+    target_hidden: int = 576
+    vocab: int = 16384  # target vocab (only the frozen embedding and t2d see it)
+    ttt_steps: int = 7
+    topk: int = 64
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+
+SHAPES = {
+    "demo": Shape("demo", intermediate=768, draft_vocab=4096, batch=2, seq=512),  # configs/demo/train.yaml
+    "large": Shape("large", intermediate=1536, draft_vocab=8000, batch=2, seq=1024),
+}
+
+
+# ----------------------------------------------------------------------------- FLOPs
+
+
+def flops_per_token(s: Shape) -> dict[str, float]:
+    """Matmul FLOPs per token of one training step (forward + backward), by component."""
+    h, hd, nh, nkv = s.hidden, s.head_dim, s.heads, s.kv_heads
+    fwd = {
+        "fc": 2 * 3 * s.target_hidden * h,
+        "qkv": s.ttt_steps * 2 * 2 * h * (nh + 2 * nkv) * hd,
+        "o": s.ttt_steps * 2 * nh * hd * h,
+        "mlp": s.ttt_steps * 3 * 2 * h * s.intermediate,
+        "lm_head": s.ttt_steps * 2 * h * s.draft_vocab,
+        "attention": sum(4 * nh * hd * ((s.seq + 1) / 2 + k) for k in range(s.ttt_steps)),
+    }
+    total = {k: (2 if k == "fc" else 3) * v for k, v in fwd.items()}
+    return {"forward": float(sum(fwd.values())), "total": float(sum(total.values())),
+            **{f"total_{k}": float(v) for k, v in total.items()}}
+
+
+# ----------------------------------------------------------------------------- peak
+
+
+def matmul_peak(threads: int, n: int = 1536, repeats: int = 3) -> float:
+    """Best fp32 FLOP/s of an n x n matmul at ``threads`` threads (restores the thread count)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(0)
+        a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
+        out = torch.empty(n, n)
+        torch.mm(a, b, out=out)  # warm-up
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            torch.mm(a, b, out=out)
+            best = min(best, time.perf_counter() - t0)
+        return 2 * n**3 / best
+    finally:
+        torch.set_num_threads(old)
+
+
+# ----------------------------------------------------------------------------- in-process step
+
+
+def _drafter_and_batch(s: Shape, seed: int = 0):
+    from train.drafter import DrafterConfig, Eagle3Drafter
+    from train.main import TTTModel
+    from train.vocab import build_vocab_mapping, draft_token_ids
+
+    torch.manual_seed(seed)
+    cfg = DrafterConfig(
+        hidden_size=s.hidden, num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, head_dim=s.head_dim,
+        intermediate_size=s.intermediate, vocab_size=s.vocab, draft_vocab_size=s.draft_vocab,
+        target_hidden_size=s.target_hidden, aux_layer_ids=[1, 14, 26], target_num_layers=30,
+        max_position_embeddings=8192, torch_dtype="float32",
+    )
+    drafter = Eagle3Drafter(cfg)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        drafter.embed_tokens.weight.normal_(0, 0.02, generator=g)
+    counts = torch.randint(0, 10_000, (s.vocab,), generator=g)
+    drafter.set_vocab_mapping(*build_vocab_mapping(counts, s.draft_vocab))
+    model = TTTModel(drafter, s.ttt_steps, 0.8)
+    draft_ids = draft_token_ids(drafter.d2t)
+    b, t, k = s.batch, s.seq, s.topk
+    in_draft = draft_ids[torch.randint(0, s.draft_vocab, (b, t, k), generator=g)]
+    anywhere = torch.randint(0, s.vocab, (b, t, k), generator=g)
+    topk_ids = torch.where(torch.rand(b, t, k, generator=g) < 0.9, in_draft, anywhere)
+    topk_lp = torch.log_softmax(2 * torch.randn(b, t, k, generator=g), -1).sort(-1, descending=True).values
+    loss_mask = torch.ones(b, t, dtype=torch.int64)
+    loss_mask[:, : t // 10] = 0  # a prompt
+    batch = {
+        "input_ids": torch.randint(0, s.vocab, (b, t), generator=g),
+        "aux_hidden": torch.randn(b, t, 3 * s.target_hidden, generator=g),
+        "attention_mask": torch.ones(b, t, dtype=torch.int64),
+        "loss_mask": loss_mask,
+        "topk_ids": topk_ids,
+        "topk_logprobs": topk_lp,
+    }
+    return model, batch
+
+
+def _train_step(model, optimizer, batch) -> Any:
+    """What train/main.py does per micro-batch with grad_accum 1 in one plain process."""
+    from train.ttt import teacher_from_topk
+
+    d = model.drafter
+    with torch.no_grad():
+        teacher = teacher_from_topk(batch["topk_ids"], batch["topk_logprobs"], d.t2d, d.d2t)
+    out = model(input_ids=batch["input_ids"], aux_hidden=batch["aux_hidden"], attention_mask=batch["attention_mask"],
+                loss_mask=batch["loss_mask"], target_p=teacher.target_p, target_ids=teacher.target_ids,
+                p_on_draft=teacher.p_on_draft)
+    out.loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return out
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def worker(shape: Shape, threads: int, repeats: int) -> dict[str, Any]:
+    """Time steps of one shape in this (fresh) process, interleaved with the matmul peak."""
+    torch.set_num_threads(threads)
+    model, batch = _drafter_and_batch(shape)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    rss_before = _rss_bytes()
+    _train_step(model, optimizer, batch)  # warm-up (allocator, AdamW state)
+    step_times, peaks = [], []
+    for _ in range(repeats):
+        peaks.append(matmul_peak(threads, repeats=2))
+        t0 = time.perf_counter()
+        _train_step(model, optimizer, batch)
+        step_times.append(time.perf_counter() - t0)
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"step_times": step_times, "peaks": peaks, "rss_before": rss_before, "maxrss": maxrss}
+
+
+def run_worker(shape: Shape, threads: int, repeats: int) -> dict[str, Any]:
+    """worker() in a child process, so that ru_maxrss belongs to this shape alone."""
+    cmd = [sys.executable, __file__, "--_worker", json.dumps(dataclasses.asdict(shape)),
+           "--threads", str(threads), "--repeats", str(repeats)]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=_env(threads), cwd=ROOT)
+    if res.returncode != 0:
+        raise RuntimeError(f"worker for {shape.name} failed (rc {res.returncode}):\n{res.stderr[-4000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def in_process_row(shape: Shape, threads: int, repeats: int) -> dict[str, Any]:
+    r = run_worker(shape, threads, repeats)
+    fl = flops_per_token(shape)
+    best = min(r["step_times"])
+    # ratio per repeat against the peak measured right before it; report the best pair
+    ratios = [fl["total"] * shape.tokens / t / p for t, p in zip(r["step_times"], r["peaks"], strict=True)]
+    return {
+        "shape": shape.name, "mode": f"in-process x{threads}t", "tokens_per_step": shape.tokens,
+        "step_s": best, "tokens_per_s": shape.tokens / best, "achieved_flops": fl["total"] * shape.tokens / best,
+        "peak_flops": max(r["peaks"]), "ratio": max(ratios), "maxrss_mb": r["maxrss"] / 2**20,
+        "step_rss_growth_mb": (r["maxrss"] - r["rss_before"]) / 2**20, "all_step_s": r["step_times"],
+    }
+
+
+# ----------------------------------------------------------------------------- profile
+
+
+def profile_step(shape: Shape, threads: int, path: Path | None, top: int = 20) -> dict[str, Any]:
+    """torch.profiler over one warm training step; the top ops by self CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.set_num_threads(threads)
+    model, batch = _drafter_and_batch(shape)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    _train_step(model, optimizer, batch)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        _train_step(model, optimizer, batch)
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    rows = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)
+    mm_ops = {"aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::_mkl_linear", "aten::linear"}
+    matmul = sum(e.self_cpu_time_total for e in events if e.key in mm_ops)
+    summary = {
+        "step_ms": total / 1e3,
+        "matmul_share": matmul / max(total, 1),
+        "top": [{"op": e.key, "self_ms": e.self_cpu_time_total / 1e3, "share": e.self_cpu_time_total / max(total, 1),
+                 "calls": e.count} for e in rows[:top]],
+    }
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)
+    if path is not None:
+        path.write_text(table)
+    return summary
+
+
+# ----------------------------------------------------------------------------- train/main.py runs
+
+
+def _env(threads: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", WANDB_MODE="offline", DS_ACCELERATOR="cpu",
+               OMP_NUM_THREADS=str(threads), REDRAFT_NO_PROGRESS="1", TOKENIZERS_PARALLELISM="false")
+    return env
+
+
+def make_target(path: Path, s: Shape) -> Path:
+    """Stub target folder: a Llama config.json and the input embedding (all train/main.py reads)."""
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    path.mkdir(parents=True, exist_ok=True)
+    LlamaConfig(vocab_size=s.vocab, hidden_size=s.hidden, num_attention_heads=s.heads, num_key_value_heads=s.kv_heads,
+                head_dim=s.head_dim, intermediate_size=1536, num_hidden_layers=30, max_position_embeddings=8192,
+                ).save_pretrained(path)
+    g = torch.Generator().manual_seed(3)
+    save_file({"model.embed_tokens.weight": (0.02 * torch.randn(s.vocab, s.hidden, generator=g)).to(torch.bfloat16)},
+              str(path / "model.safetensors"))
+    return path
+
+
+def make_dataset(root: Path, target: Path, s: Shape, num_samples: int, per_shard: int = 8) -> Path:
+    """Equal-length random samples (no padding, so tokens/s counts only real tokens)."""
+    from extract.store import SampleFeatures, finalize_dataset, write_shard
+
+    g = torch.Generator().manual_seed(5)
+    samples = []
+    for i in range(num_samples):
+        t, k = s.seq, s.topk
+        ids = torch.randint(0, s.vocab, (t,), generator=g)
+        top = torch.randint(0, s.vocab // 2, (t, k), generator=g)  # skewed: the counted vocab is the low half
+        lp = torch.log_softmax(2 * torch.randn(t, k, generator=g), -1).sort(-1, descending=True).values
+        mask = torch.ones(t, dtype=torch.bool)
+        mask[: t // 10] = False
+        samples.append(SampleFeatures(sample_id=f"b{i:05d}", source="bench", category="chat", input_ids=ids,
+                                      loss_mask=mask, aux_hidden=torch.randn(t, 3 * s.target_hidden, generator=g),
+                                      topk_ids=top, topk_logprobs=lp))
+    shards = [samples[i : i + per_shard] for i in range(0, num_samples, per_shard)]
+    for index, chunk in enumerate(shards):
+        write_shard(root, index, chunk, hidden_dtype="bf16", num_aux=3)
+    header = {
+        "target": {"name": "bench-stub", "path": str(target), "config_hash": "0" * 64,
+                   "architecture": "LlamaForCausalLM"},
+        "tokenizer_hash": "0" * 64, "chat_template_hash": "0" * 64, "hidden_size": s.hidden, "num_layers": 30,
+        "vocab_size": s.vocab, "aux_layer_ids": [1, 14, 26],
+        "aux_layer_convention": "output of decoder layer i, 0-based", "teacher": {"kind": "topk", "k": s.topk},
+        "hidden_dtype": "bf16", "max_length": s.seq, "generation": None, "skipped": {},
+    }
+    finalize_dataset(root, num_shards=len(shards), header=header, vocab_size=s.vocab)
+    return root
+
+
+def main_run(data: Path, out: Path, s: Shape, procs: int, threads: int, steps: int) -> dict[str, Any]:
+    """One train/main.py run; tokens/s per logged step from its metrics.jsonl."""
+    args = ["train/main.py", "--config", str(DEMO_TRAIN_CONFIG), "--data", str(data), "--out", str(out),
+            "--max_steps", str(steps), "--intermediate_size", str(s.intermediate),
+            "--draft_vocab_size", str(s.draft_vocab), "--tokens_per_batch", str(s.tokens),
+            "--max_length", str(s.seq), "--ttt_steps", str(s.ttt_steps), "--dtype", "fp32", "--log_every", "1",
+            "--eval_every", "0", "--save_every", "0", "--val_fraction", "0", "--report_to", "none"]
+    if procs == 1:
+        cmd = [sys.executable, *args]
+    else:
+        accelerate = Path(sys.executable).with_name("accelerate")
+        cmd = [str(accelerate), "launch", "--config_file", str(ACCELERATE_CPU_CONFIG), "--num_processes",
+               str(procs), *args]
+    # ru_maxrss of the children: GNU time is not everywhere, so wrap in python's resource module.
+    wrapper = ("import resource,subprocess,sys;r=subprocess.run(sys.argv[1:]).returncode;"
+               "print('MAXRSS_KB',resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss,file=sys.stderr);"
+               "sys.exit(r)")
+    t0 = time.perf_counter()
+    res = subprocess.run([sys.executable, "-c", wrapper, *cmd], capture_output=True, text=True,
+                         env=_env(threads), cwd=ROOT)
+    wall = time.perf_counter() - t0
+    if res.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed (rc {res.returncode}):\n{res.stderr[-4000:]}")
+    maxrss_kb = int(next(line.split()[1] for line in res.stderr.splitlines() if line.startswith("MAXRSS_KB")))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if r["kind"] == "train"]
+    tps = [r["tokens_per_s"] for r in rows]
+    return {"tokens_per_s_steps": tps, "tokens_per_step": rows[-1]["tokens"], "wall_s": wall,
+            "maxrss_mb": maxrss_kb / 1024}
+
+
+def main_rows(shapes: list[Shape], threads: int, steps: int, peak_1t: float, peak_nt: float,
+              procs_list: list[int]) -> list[dict[str, Any]]:
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
+        for s in shapes:
+            target = make_target(Path(tmp) / f"target-{s.name}", s)
+            need = (steps + 1) * max(procs_list) * s.batch
+            data = make_dataset(Path(tmp) / f"data-{s.name}", target, s, num_samples=need)
+            fl = flops_per_token(s)
+            for procs in procs_list:
+                per_proc_threads = threads if procs == 1 else 1
+                peak = peak_nt if procs == 1 else procs * peak_1t
+                r = main_run(data, Path(tmp) / f"out-{s.name}-{procs}", s, procs, per_proc_threads, steps)
+                timed = r["tokens_per_s_steps"][1:] or r["tokens_per_s_steps"]  # drop the warm-up step
+                best = max(timed)
+                mode = "train/main.py 1 proc" if procs == 1 else f"train/main.py {procs} proc DS-ZeRO2"
+                rows.append({
+                    "shape": s.name, "mode": f"{mode} x{per_proc_threads}t", "tokens_per_step": r["tokens_per_step"],
+                    "step_s": r["tokens_per_step"] / best, "tokens_per_s": best, "achieved_flops": fl["total"] * best,
+                    "peak_flops": peak, "ratio": fl["total"] * best / peak, "maxrss_mb": r["maxrss_mb"],
+                    "wall_s": r["wall_s"], "all_tokens_per_s": r["tokens_per_s_steps"],
+                })
+                log.info("%s %s: %.0f tok/s", s.name, mode, best)
+    return rows
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    head = f"{'shape':<6} {'mode':<34} {'tok/step':>8} {'step s':>7} {'tok/s':>8} {'GFLOP/s':>8} {'peak':>8} " \
+           f"{'ratio':>6} {'maxRSS MB':>9}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(f"{r['shape']:<6} {r['mode']:<34} {r['tokens_per_step']:>8} {r['step_s']:>7.3f} {r['tokens_per_s']:>8.0f} "
+              f"{r['achieved_flops'] / 1e9:>8.1f} {r['peak_flops'] / 1e9:>8.1f} {r['ratio']:>6.1%} "
+              f"{r['maxrss_mb']:>9.0f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="demo,large", help="comma list of " + ", ".join(SHAPES))
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads of a 1-process run")
+    ap.add_argument("--repeats", type=int, default=3, help="timed in-process steps per shape (best kept)")
+    ap.add_argument("--main-steps", type=int, default=4, help="optimizer steps per train/main.py run")
+    ap.add_argument("--procs", default="1,2", help="process counts for the train/main.py runs")
+    ap.add_argument("--skip-main", action="store_true", help="only the in-process measurement")
+    ap.add_argument("--profile", type=Path, default=None, help="write the demo step's profiler table here")
+    ap.add_argument("--json", type=Path, default=None, help="write all numbers here")
+    ap.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a._worker is not None:
+        print(json.dumps(worker(Shape(**json.loads(a._worker)), a.threads, a.repeats)))
+        return
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    shapes = [SHAPES[n] for n in a.shapes.split(",")]
+    t_start = time.perf_counter()
+    peak_1t = matmul_peak(1)
+    peak_nt = matmul_peak(a.threads)
+    log.info("matmul peak: %.1f GFLOP/s (1 thread), %.1f GFLOP/s (%d threads)", peak_1t / 1e9, peak_nt / 1e9,
+             a.threads)
+    rows = []
+    for s in shapes:
+        rows.append(in_process_row(s, a.threads, a.repeats))
+        log.info("%s in-process: %.0f tok/s", s.name, rows[-1]["tokens_per_s"])
+    prof = None
+    if a.profile is not None:
+        prof = profile_step(SHAPES["demo"], a.threads, a.profile)
+    if not a.skip_main:
+        rows += main_rows(shapes, a.threads, a.main_steps, peak_1t, peak_nt, [int(p) for p in a.procs.split(",")])
+    print_table(rows)
+    print(f"matmul peak (fp32 1536^3): {peak_1t / 1e9:.1f} GFLOP/s at 1 thread, {peak_nt / 1e9:.1f} at {a.threads}")
+    for s in shapes:
+        fl = flops_per_token(s)
+        print(f"{s.name}: {fl['total'] / 1e6:.1f} MFLOP/token/step (fwd {fl['forward'] / 1e6:.1f}); "
+              + ", ".join(f"{k[6:]} {v / fl['total']:.0%}" for k, v in fl.items() if k.startswith("total_")))
+    if prof is not None:
+        print(f"profile (demo, 1 step, {prof['step_ms']:.0f} ms self CPU; matmul {prof['matmul_share']:.0%}):")
+        for e in prof["top"][:12]:
+            print(f"  {e['op']:<40} {e['self_ms']:>8.1f} ms {e['share']:>6.1%} x{e['calls']}")
+    if a.json is not None:
+        report = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
+                              "threads": a.threads},
+                  "matmul_peak_flops": {"1": peak_1t, str(a.threads): peak_nt},
+                  "shapes": {s.name: {**dataclasses.asdict(s), "flops_per_token": flops_per_token(s)} for s in shapes},
+                  "rows": rows, "profile": prof, "wall_s": time.perf_counter() - t_start}
+        tmp = a.json.with_name(a.json.name + ".tmp")
+        tmp.write_text(json.dumps(report, indent=2))
+        os.replace(tmp, a.json)
+
+
+if __name__ == "__main__":
+    main()
