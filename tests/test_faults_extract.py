@@ -120,13 +120,15 @@ def test_kill_and_resume_extraction_is_byte_identical(world, reference, tmp_path
 
 
 @pytest.mark.slow
-def test_concurrent_ranks_write_the_same_bytes_as_one(world, reference, tmp_path):
+def test_concurrent_ranks_write_the_same_bytes_as_one(world, small_reference, tmp_path):
     out = tmp_path / "ds"
     log = tmp_path / "ranks.log"
-    procs = [start(extract_cmd(_args(world, out, rank=r, world_size=3)), log) for r in range(3)]
+    cmds = [extract_cmd(extract_args(world["target"], world["small"], out, rank=r, world_size=3, **SMALL))
+            for r in range(3)]
+    procs = [start(cmd, log) for cmd in cmds]
     codes = [p.wait(300) for p in procs]
     assert codes == [0, 0, 0], log.read_text()[-3000:]
-    assert dataset_files(out) == dataset_files(reference)
+    assert dataset_files(out) == dataset_files(small_reference)
     assert verify_dataset(out) == []
 
 

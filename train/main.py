@@ -347,7 +347,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     configure_deepspeed(accelerator, cfg)
     model, optimizer = accelerator.prepare(model, optimizer)
-    accelerator.register_for_checkpointing(scheduler)
+    # The scheduler's state goes into trainer_state.json, not register_for_checkpointing: accelerate
+    # unpickles registered objects with weights_only=False, and a checkpoint must not be able to run code.
     core = accelerator.unwrap_model(model)
 
     # ---------------------------------------------------------------- resume
@@ -358,9 +359,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ts = read_trainer_state(ckpt)
         if int(ts["world_size"]) != world:
             raise ValueError(f"{ckpt}: saved with world size {ts['world_size']}, this run has {world}")
+        pickled = sorted((ckpt / "training_state").glob("custom_checkpoint_*.pkl"))
+        if pickled:
+            raise ValueError(f"{pickled[0]}: a pickled LR scheduler from an older redraft (not loaded: pickles can "
+                             "run code); delete the file to resume, the schedule is recomputed from the step")
         accelerator.load_state(str(ckpt / "training_state"))
         step, state = int(ts["step"]), SamplerState(int(ts["epoch"]), int(ts["position"]))
         tokens_seen = int(ts.get("tokens_seen", 0))
+        if "scheduler" in ts:
+            scheduler.load_state_dict(ts["scheduler"])
+        else:  # older checkpoints: LambdaLR is a pure function of the step count
+            for _ in range(step):
+                scheduler.step()
         last_saved = step
         log.info("resumed from %s: step %d, epoch %d, position %d", ckpt, step, state.epoch, state.position)
     elif cfg.resume == "auto":
@@ -413,7 +423,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     def save() -> Path:
         trainer_state = {"step": step, "epoch": state.epoch, "position": state.position, "world_size": world,
-                         "tokens_seen": tokens_seen, "total_steps": total_steps}
+                         "tokens_seen": tokens_seen, "total_steps": total_steps, "scheduler": scheduler.state_dict()}
         return save_checkpoint(accelerator, out, step, drafter=core.drafter, record={**record, "step": step},
                                trainer_state=trainer_state, keep_last=cfg.keep_last)
 
