@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -42,6 +41,7 @@ if __package__ in (None, ""):  # run as a script path: make the repo root import
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eval import simulate as sim  # noqa: E402
+from extract.atomic import atomic_open, atomic_write_text  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -578,20 +578,11 @@ def write_plot(results: dict[str, dict[str, Any]], path: str | Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    _atomic(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
-    plt.close(fig)
-
-
-def _atomic(path: str | Path, write) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".tmp-{path.name}.{os.getpid()}")
-    write(tmp)
-    os.replace(tmp, path)
-
-
-def _write_text(path: str | Path, text: str) -> None:
-    _atomic(path, lambda tmp: Path(tmp).write_text(text))
+    try:
+        with atomic_open(path, "wb") as f:
+            fig.savefig(f, dpi=110, format="png")
+    finally:
+        plt.close(fig)
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -665,9 +656,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     report = {"data": str(args.data), "split": split, "samples": len(indices),
               "settings": next(iter(results.values()))["settings"], "checkpoints": results}
     if args.json:
-        _write_text(args.json, json.dumps(report, indent=2, default=_json_default) + "\n")
+        atomic_write_text(args.json, json.dumps(report, indent=2, default=_json_default) + "\n")
     if args.markdown:
-        _write_text(args.markdown, format_markdown(results))
+        atomic_write_text(args.markdown, format_markdown(results))
     if args.plot:
         write_plot(results, args.plot)
     return report

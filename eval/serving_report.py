@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from extract.atomic import atomic_open, atomic_write_bytes
 
 PERCENTILES = (50, 90, 99)
 SCHEMA = "redraft.serving/1"
@@ -321,25 +321,12 @@ def render_markdown(report: dict[str, Any]) -> str:
 # Files (temp name, then rename: a reader never sees half a file)
 
 
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def write_json(report: dict[str, Any], path: Path) -> None:
-    _atomic_write_bytes(path, (json.dumps(report, indent=2, sort_keys=False) + "\n").encode())
+    atomic_write_bytes(path, (json.dumps(report, indent=2, sort_keys=False) + "\n").encode())
 
 
 def write_markdown(report: dict[str, Any], path: Path) -> None:
-    _atomic_write_bytes(path, render_markdown(report).encode())
+    atomic_write_bytes(path, render_markdown(report).encode())
 
 
 def write_plot(report: dict[str, Any], path: Path) -> None:
@@ -365,15 +352,8 @@ def write_plot(report: dict[str, Any], path: Path) -> None:
     s = report["settings"]
     fig.suptitle(f"max_tokens {s.get('max_tokens')}, prompts {Path(str(s.get('prompts'))).name}", fontsize=9)
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
-    os.close(fd)
     try:
-        fig.savefig(tmp, format="png", dpi=110)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        with atomic_open(path, "wb") as f:
+            fig.savefig(f, format="png", dpi=110)
     finally:
         plt.close(fig)

@@ -15,11 +15,12 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from extract.atomic import atomic_open
 
 logger = logging.getLogger(__name__)
 
@@ -105,20 +106,12 @@ def _distribution_file(dist_name: str, suffix: str) -> Path:
 
 def _write_jsonl_atomic(path: Path, records: Iterable[dict[str, Any]]) -> int:
     """Write records to a temporary file next to ``path`` and rename it into place; return the count."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     count = 0
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for rec in records:
-                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-                count += 1
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)  # concurrent writers produce identical content, so the last rename is fine
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    # concurrent writers produce identical content, so the last rename is fine
+    with atomic_open(path, "w", encoding="utf-8") as f:
+        for rec in records:
+            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            count += 1
     return count
 
 

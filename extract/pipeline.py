@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from extract.atomic import atomic_write_text
 from extract.backends.base import GenerationConfig, TargetBackend, TeacherSpec
 from extract.chat import TokenizedSample, chat_template_hash, tokenize_conversation, tokenizer_hash
 from extract.config import ConfigError, ExtractConfig
@@ -79,15 +80,6 @@ class ExtractSummary:
             f"{self.truncated} truncated; skipped: {skipped}; {bpt:,.0f} bytes/token; {self.seconds:.1f} s "
             f"({rate:,.0f} tok/s); {done}"
         )
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 @contextlib.contextmanager
@@ -148,7 +140,7 @@ def check_or_write_plan(out: Path, plan: dict[str, Any]) -> None:
             details = "; ".join(f"{k}: folder has {old.get(k)!r}, this run {plan.get(k)!r}" for k in diff)
             raise ConfigError(f"{out} holds an extraction with other settings ({details}); use a new --out")
         return
-    _atomic_write_text(path, json.dumps(plan, indent=2, sort_keys=True) + "\n")
+    atomic_write_text(path, json.dumps(plan, indent=2, sort_keys=True) + "\n")
 
 
 def _generation(cfg: ExtractConfig, shard: int = 0) -> GenerationConfig:
@@ -359,7 +351,7 @@ def run_extraction(cfg: ExtractConfig) -> ExtractSummary:
         backend: TargetBackend | None = None
         if todo or not header_path.exists():
             backend = load_backend(cfg, target_path)
-            _atomic_write_text(header_path, json.dumps(make_header(cfg, backend, parsed.skipped), indent=2,
+            atomic_write_text(header_path, json.dumps(make_header(cfg, backend, parsed.skipped), indent=2,
                                                        sort_keys=True) + "\n")
         S = cfg.samples_per_shard
         total = sum(len(records[s * S : (s + 1) * S]) for s in todo)

@@ -11,11 +11,12 @@ from __future__ import annotations
 import collections
 import json
 import logging
-import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from extract.atomic import atomic_open
 
 logger = logging.getLogger(__name__)
 
@@ -360,16 +361,6 @@ def record_to_json(record: Record) -> dict[str, Any]:
 
 def write_records_jsonl(path: str | Path, records: Iterable[Record]) -> None:
     """Write records as JSONL atomically: a crash leaves either the old file or none, never half of one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            for r in records:
-                f.write(json.dumps(record_to_json(r), ensure_ascii=False) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with atomic_open(path, "w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(record_to_json(r), ensure_ascii=False) + "\n")

@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -29,6 +28,8 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
+
+from extract.atomic import atomic_write_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -260,42 +261,6 @@ def serialize(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] |
     return b"".join([len(text).to_bytes(8, "little"), text, *blobs])
 
 
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write `data` at `path` so the final name only ever holds the complete file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        if e.filename is not None:
-            raise
-        # write()/fsync() errors (ENOSPC, EIO) carry no file name: add the one being written
-        raise OSError(e.errno, e.strerror or str(e), str(path)) from e
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(folder: Path) -> None:
-    """Persist a rename (POSIX); silently skipped where directories cannot be opened."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 # ----------------------------------------------------------------------------- writing
 
 
@@ -446,7 +411,7 @@ def write_shard(
     """
     rel = shard_relpath(index)
     data, counts = encode_shard(samples, hidden_dtype=hidden_dtype, num_aux=num_aux, skipped=skipped)
-    _atomic_write_bytes(Path(root) / rel, data)
+    atomic_write_bytes(Path(root) / rel, data)
     info = ShardInfo(
         path=rel,
         sha256=hashlib.sha256(data).hexdigest(),
@@ -736,8 +701,8 @@ def finalize_dataset(root: Path, *, num_shards: int, header: Mapping[str, Any], 
         ],
     )
     text = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
-    _atomic_write_bytes(root / COUNTS_NAME, serialize({"counts": counts}))
-    _atomic_write_bytes(root / MANIFEST_NAME, text.encode())
+    atomic_write_bytes(root / COUNTS_NAME, serialize({"counts": counts}))
+    atomic_write_bytes(root / MANIFEST_NAME, text.encode())
     logger.info(
         "finalized %s: %d shards, %d samples, %d tokens",
         root,

@@ -31,7 +31,7 @@ from helpers_faults import (
 )
 from helpers_models import make_tiny_llama
 
-import extract.store as store
+import extract.atomic as atomic
 from extract.__main__ import main as extract_main
 from extract.backends.hf import HFTarget
 from extract.config import parse_args
@@ -171,7 +171,7 @@ class _FullDisk:
 def test_disk_full_in_the_shard_writer(world, small_reference, tmp_path, monkeypatch, caplog):
     out = tmp_path / "ds"
     args = extract_args(world["target"], world["small"], out, **SMALL)
-    monkeypatch.setattr(store, "open", _FullDisk(fail_at=4), raising=False)
+    monkeypatch.setattr(atomic, "open", _FullDisk(fail_at=4), raising=False)
     assert extract_main(args) == 1
     assert "No space left on device" in caplog.text and "shard-000003.safetensors" in caplog.text
     assert "rerun the same command" in caplog.text

@@ -19,7 +19,7 @@ from helpers_models import make_tiny_llama
 from helpers_train import base_args, make_dataset, make_target, run_main
 from safetensors.torch import load_file
 
-import train.checkpoint as checkpoint
+import extract.atomic as atomic
 from eval.acceptance import AcceptanceError
 from eval.acceptance import main as eval_main
 from extract.store import DatasetError, DatasetReader
@@ -215,7 +215,7 @@ class _FullDiskAt:
 def test_disk_full_while_writing_a_checkpoint(world, straight, tmp_path, monkeypatch):
     out = tmp_path / "run"
     args = base_args(world["data"], out, max_steps=10, save_every=2)
-    monkeypatch.setattr(checkpoint, "open", _FullDiskAt(3), raising=False)
+    monkeypatch.setattr(atomic, "open", _FullDiskAt(3), raising=False)
     with pytest.raises(OSError) as info:
         run_main(args)
     assert info.value.errno == errno.ENOSPC

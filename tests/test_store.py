@@ -14,6 +14,7 @@ from helpers_store import make_dataset, make_header, make_sample
 from safetensors import safe_open
 from safetensors.torch import load_file, save
 
+import extract.atomic as atomic
 import extract.store as store
 from extract.store import (
     COUNTS_NAME,
@@ -235,7 +236,7 @@ def test_failed_write_leaves_no_file_at_the_final_name(tmp_path, monkeypatch, fa
         raise OSError(f"injected {fail_at} failure")
 
     if fail_at == "write":
-        monkeypatch.setattr(store, "open", _half_writing_open, raising=False)
+        monkeypatch.setattr(atomic, "open", _half_writing_open, raising=False)
     else:
         monkeypatch.setattr(os, fail_at, boom)
     with pytest.raises(OSError, match="injected"):

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from extract.atomic import atomic_write_text
 from train.drafter import DrafterConfig
 from train.serving_format import (  # noqa: F401  (re-exported: the serving pieces live there now)
     SERVING_ARCH,
@@ -53,17 +54,8 @@ def step_dirname(step: int) -> str:
     return f"step-{step:07d}"
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _write_json(path: Path, obj: Any) -> None:
-    _atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
 # ----------------------------------------------------------------------------- serving files
@@ -219,7 +211,7 @@ def save_checkpoint(
         if final.exists():  # same step saved again (e.g. a resumed run's final save)
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _atomic_write_text(out / LATEST, name + "\n")
+        atomic_write_text(out / LATEST, name + "\n")
         rotate_checkpoints(out, keep_last, protect=final)
         log.info("saved checkpoint %s", final)
     accelerator.wait_for_everyone()
@@ -232,6 +224,10 @@ def rotate_checkpoints(out: Path, keep_last: int, protect: Path | None = None) -
     for p in out.glob(f"{TMP_PREFIX}step-*"):
         if p.is_dir():
             shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    for p in out.glob(".*.tmp-*"):  # a killed atomic_write_text (e.g. of `latest`)
+        if p.is_file():
+            p.unlink(missing_ok=True)
             removed.append(p)
     if keep_last > 0:
         ckpts = [p for _, p in list_checkpoints(out)]
