@@ -42,6 +42,7 @@ if __package__ in (None, ""):  # run as a script path: make the repo root import
 
 from eval import simulate as sim  # noqa: E402
 from extract.atomic import atomic_open, atomic_write_text  # noqa: E402
+from extract.pipeline import pack_batches  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -216,18 +217,8 @@ def select_samples(
 
 def make_batches(indices: Sequence[int], lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
     """Length-sorted batches whose padded size B * T_max stays within ``batch_tokens`` (one sample at least)."""
-    order = sorted(indices, key=lambda i: (-lengths[i], i))
-    batches: list[list[int]] = []
-    cur: list[int] = []
-    for i in order:
-        longest = lengths[cur[0]] if cur else lengths[i]
-        if cur and (len(cur) + 1) * longest > batch_tokens:
-            batches.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        batches.append(cur)
-    return batches
+    groups = pack_batches([lengths[i] for i in indices], batch_tokens)
+    return [[indices[j] for j in group] for group in groups]
 
 
 # ----------------------------------------------------------------------------- teacher
