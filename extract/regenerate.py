@@ -34,8 +34,9 @@ def regenerate_records(
 
     Batched across records at each turn index; prompts are sorted by length inside a
     turn so batches pad little, and the order is fixed so reruns generate the same text.
-    A conversation whose prompt no longer fits in max_length keeps the turns it has (one
-    left with no assistant turn is later skipped as having no loss tokens).
+    A conversation whose prompt no longer fits in max_length keeps the turns it has, ending
+    with the unanswered user turn (one left with no assistant turn is later skipped as having
+    no loss tokens).
     """
     tokenizer = backend.tokenizer
     stops = stop_token_ids(tokenizer)
@@ -55,8 +56,7 @@ def regenerate_records(
             histories[i].append(pending[i].pop(0))
             ids = encode_prompt(tokenizer, histories[i])
             if len(ids) >= max_length:
-                histories[i].pop()  # this user turn cannot be answered inside max_length
-                pending[i].clear()
+                pending[i].clear()  # this user turn cannot be answered inside max_length: stop here
                 continue
             prompts[i] = ids
         order = sorted(prompts, key=lambda i: (len(prompts[i]), i))

@@ -3,18 +3,36 @@
 #   extract (the target regenerates chitchat answers) -> verify -> train (2 DeepSpeed CPU processes)
 #   -> offline acceptance on the held-out split -> export for SGLang
 # Sizes live in configs/demo/*.yaml; DEMO_OUT (default demo-out) is where everything goes.
+# DEMO_SCALE=small|default|large or a multiplier (e.g. 0.5, 2) resizes the run: samples, regenerated
+# tokens, train steps (small ~1/3 of default's time, large ~3x); a non-default scale writes to
+# demo-out-$DEMO_SCALE unless DEMO_OUT is set. DEMO_TRAIN_STEPS still overrides the step count.
 # Rerunning resumes: complete shards and checkpoints are kept.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
-OUT=${DEMO_OUT:-demo-out}
-TRAIN_STEPS=${DEMO_TRAIN_STEPS:-60}
+SCALE=${DEMO_SCALE:-default}
+EXTRACT_SIZES=()
+case "$SCALE" in
+  default) STEPS=60 ;;
+  small) STEPS=20; EXTRACT_SIZES=(--max-samples 16 --max-new-tokens 32) ;;
+  large) STEPS=180; EXTRACT_SIZES=(--max-samples 144 --max-new-tokens 128) ;;
+  *)
+    if ! awk -v x="$SCALE" 'BEGIN { exit !(x ~ /^[0-9]*\.?[0-9]+$/ && x > 0) }'; then
+      echo "DEMO_SCALE must be small, default, large or a positive number, got '$SCALE'" >&2
+      exit 2
+    fi
+    STEPS=$(awk -v x="$SCALE" 'BEGIN { s = int(60 * x + 0.5); print (s < 5 ? 5 : s) }')
+    EXTRACT_SIZES=(--max-samples "$(awk -v x="$SCALE" 'BEGIN { n = int(48 * x + 0.5); print (n < 8 ? 8 : n) }')")
+    ;;
+esac
+if [ "$SCALE" = default ]; then OUT=${DEMO_OUT:-demo-out}; else OUT=${DEMO_OUT:-demo-out-$SCALE}; fi
+TRAIN_STEPS=${DEMO_TRAIN_STEPS:-$STEPS}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 DS_ACCELERATOR=cpu WANDB_MODE=${WANDB_MODE:-offline}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 start=$(date +%s)
 
 echo "== 1/5 extract: $OUT/data"
-"$PY" -m extract --config configs/demo/extract.yaml --out "$OUT/data"
+"$PY" -m extract --config configs/demo/extract.yaml --out "$OUT/data" ${EXTRACT_SIZES[@]+"${EXTRACT_SIZES[@]}"}
 
 echo "== 2/5 verify"
 "$PY" -m extract.verify "$OUT/data"

@@ -263,3 +263,14 @@ def test_second_process_on_the_same_rank_is_refused(tmp_path):
     proc.start()
     proc.join(30)
     assert queue.get(timeout=5) == "locked"
+
+
+def test_prompt_too_long_to_answer_is_skipped_not_fatal(tiny_target, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    long_prompt = " ".join([_sentence(1, 9)] * 40)  # far beyond max_length once tokenized
+    prompts.write_text(json.dumps({"id": "long", "prompt": long_prompt}) + "\n"
+                       + json.dumps({"id": "short", "prompt": _sentence(2, 4)}) + "\n")
+    summary = run_extraction(_cfg(tiny_target, prompts, tmp_path / "ds", regenerate=True, max_new_tokens=4,
+                                  max_length=160))
+    assert summary.manifest["skipped"] == {"no_loss_tokens": 1}
+    assert DatasetReader(tmp_path / "ds").sample_ids == ["short"]
