@@ -277,3 +277,28 @@ def test_draft_to_target_and_vocab_checks():
         d.set_vocab_mapping(torch.zeros(3, dtype=torch.int64), d.t2d)
     with pytest.raises(ValueError, match="vocab mapping"):
         d.set_vocab_mapping(torch.zeros_like(d.d2t), d.t2d)
+
+
+def test_custom_ttt_attention_backward_is_exact():
+    """The hand-written backward of the TTT attention matches autograd (gradcheck) and the sdpa path."""
+    from train.drafter import TTTCache, _eager_attention, _sdpa_attention
+
+    torch.manual_seed(0)
+    mask = torch.ones(2, 5, dtype=torch.long)
+    mask[1, 3:] = 0
+    q = torch.randn(2, 1, 2, 5, 4, dtype=torch.float64, requires_grad=True)
+    ks = [torch.randn(2, 1, 5, 4, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+    vs = [torch.randn(2, 1, 5, 4, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+
+    def eager(q, *kv):
+        return _eager_attention(q, TTTCache(keys=list(kv[:3]), values=list(kv[3:])), mask)
+
+    assert torch.autograd.gradcheck(eager, (q, *ks, *vs))
+    weights = torch.randn(2, 1, 2, 5, 4, dtype=torch.float64)
+    real = mask.bool()[:, None, None, :, None]  # padded query rows are don't-care in both paths
+    grads = []
+    for fn in (_eager_attention, _sdpa_attention):
+        out = fn(q, TTTCache(keys=list(ks), values=list(vs)), mask)
+        grads.append(torch.autograd.grad((out * weights * real).sum(), [q, *ks, *vs]))
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-8)

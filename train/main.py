@@ -431,7 +431,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     model.train()
     stats = StepStats(cfg.ttt_steps, accelerator.device)
     t_window, last_val = time.perf_counter(), None
-    grad_norm = float("nan")
+    grad_norm: Any = float("nan")  # a device tensor between log steps: float() only when logged (no host sync)
     end_step = min(total_steps, cfg.stop_at_step) if cfg.stop_at_step > 0 else total_steps
     while step < end_step:
         batches = sampler.rank_batches(state.epoch)[state.position:]
@@ -442,7 +442,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 accelerator.backward(out_ttt.loss)
                 if accelerator.sync_gradients:
                     norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-                    grad_norm = float(norm) if norm is not None else float("nan")
+                    grad_norm = norm.detach() if isinstance(norm, torch.Tensor) else norm
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             stats.add(out_ttt, batch.num_tokens, int(batch.loss_mask.sum()))
@@ -458,7 +458,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if step % cfg.log_every == 0 or step == total_steps:
                 m = stats.summary(accelerator)
                 elapsed = time.perf_counter() - t_window
-                m.update(lr=lr, grad_norm=grad_norm, epoch=state.epoch, tokens_per_s=m["tokens"] / max(elapsed, 1e-9))
+                m.update(lr=lr, grad_norm=float("nan") if grad_norm is None else float(grad_norm), epoch=state.epoch,
+                         tokens_per_s=m["tokens"] / max(elapsed, 1e-9))
                 tracker.log("train", step, m)
                 tracker.progress(step, m)
                 stats.reset()

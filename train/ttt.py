@@ -31,7 +31,11 @@ Masking and normalisation (a DELIBERATE difference from SpecForge, which weights
 
 Efficiency: positions are batched (only the K steps loop in Python), step k's attention is the
 causal [T, T] block plus k diagonal columns, and each step's loss is reduced before the next
-step runs; the soft-CE saves only the logits (no fp32 [B, T, Vd] copy per step) for backward.
+step runs. Per step, one softmax over the [B, T, Vd] logits serves the soft-CE (its logsumexp is
+read off the softmax at the argmax), the backward (q is saved instead of the fp32 logits, the same
+memory; low-precision logits are saved as they are and q recomputed) and the metrics (argmax,
+sum min(p, q)); the teacher's row mass is summed once, not per step. Metrics stay on the device
+(no host sync): they are stacked into [K] tensors at the end.
 """
 
 from __future__ import annotations
@@ -39,9 +43,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from train.drafter import Eagle3Drafter, TTTCache
 from train.vocab import draft_token_ids
+
+# t2d tensor -> (its version, device, nonzero(t2d) there): nonzero is a host sync on GPUs, and the
+# training loop calls teacher_from_last_hidden with the same t2d buffer every step.
+_DRAFT_COLUMNS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 @dataclass
@@ -89,6 +98,44 @@ class _SoftCrossEntropy(torch.autograd.Function):
 def soft_cross_entropy(logits: torch.Tensor, target_p: torch.Tensor) -> torch.Tensor:
     """Per-row soft cross-entropy [...] (fp32) of logits [..., Vd] against target_p [..., Vd]."""
     return _SoftCrossEntropy.apply(logits, target_p)
+
+
+class _SoftCrossEntropyWithSoftmax(torch.autograd.Function):
+    """Soft-CE rows [...] plus the drafter's softmax q and argmax, all from one softmax pass.
+
+    ce = lse * sum(p) - p . x, with lse = x[argmax] - log q[argmax] (exact: q[argmax] = exp(x_max - lse)),
+    so no separate logsumexp pass and no [..., Vd] temporaries. Backward: grad * (q * sum(p) - p).
+    q (fp32) and the argmax are returned without gradient for the metrics.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target_p: torch.Tensor, p_mass: torch.Tensor):  # type: ignore[override]
+        x = logits.float()
+        q = torch.softmax(x, dim=-1)
+        pred = x.argmax(-1, keepdim=True)
+        lse = x.gather(-1, pred) - q.gather(-1, pred).log()
+        p32 = target_p.float()
+        ce = lse.squeeze(-1) * p_mass - torch.linalg.vecdot(x, p32)
+        if logits.dtype == torch.float32:
+            ctx.save_for_backward(q, target_p, p_mass)  # the same bytes the fp32 logits would take
+        else:
+            ctx.save_for_backward(logits, target_p, p_mass, lse)  # keep the small dtype; recompute q
+        ctx.logits_dtype = logits.dtype
+        ctx.mark_non_differentiable(q, pred)
+        return ce, q, pred.squeeze(-1)
+
+    @staticmethod
+    def backward(ctx, grad, _grad_q, _grad_pred):  # type: ignore[override]
+        saved = ctx.saved_tensors
+        if ctx.logits_dtype == torch.float32:
+            q, target_p, p_mass = saved
+        else:
+            logits, target_p, p_mass, lse = saved
+            q = torch.exp(logits.float() - lse)
+        g = grad[..., None]
+        dx = q * (g * p_mass[..., None])
+        dx.addcmul_(target_p.float(), g, value=-1.0)
+        return dx.to(ctx.logits_dtype), None, None
 
 
 def _shift_left(x: torch.Tensor, s: int) -> torch.Tensor:
@@ -144,34 +191,40 @@ def ttt_forward(
     cache = TTTCache()
     hidden = drafter.project(aux_hidden)
     total = hidden.new_zeros((), dtype=torch.float32)
-    stats = torch.zeros(5, steps, dtype=torch.float32, device=device)  # loss, n, correct, n_acc, accept
+    p_mass = teacher.target_p.float().sum(-1)  # [B, T]: 1 (or 0) for a renormalised teacher; summed once
+    zero = torch.zeros((), dtype=torch.float32, device=device)
+    rows_k: list[list[torch.Tensor]] = [[] for _ in range(5)]  # loss, n, correct, n_acc, accept
     all_logits: list[torch.Tensor] = []
     for k in range(steps):
         hidden = drafter.step(_shift_left(ids, 1 + k), hidden, position_ids + k, cache, attention_mask)
-        logits = drafter.compute_logits(hidden)
-        if return_logits:
-            all_logits.append(logits.detach())
         span = max(seq - 2 - k, 0)  # positions t whose predicted token t+2+k exists
-        lg = logits[:, :span]
+        if return_logits:
+            logits = drafter.compute_logits(hidden)
+            all_logits.append(logits.detach())
+            lg = logits[:, :span]
+        else:  # slice the [B, T, H] input, not the logits: the slice's backward then zero-fills H, not Vd
+            logits = lg = drafter.compute_logits(hidden[:, :span])
         count = counted_tok[:, 2 + k : 2 + k + span]
         rows = slice(1 + k, 1 + k + span)
         loss_pos = count & in_draft[:, rows]
-        ce = soft_cross_entropy(lg, teacher.target_p[:, rows])
+        ce, q, pred = _SoftCrossEntropyWithSoftmax.apply(lg, teacher.target_p[:, rows], p_mass[:, rows])
         n_loss = loss_pos.sum()
-        loss_k = torch.where(loss_pos, ce, torch.zeros_like(ce)).sum() / n_loss.clamp(min=1)
+        loss_k = torch.where(loss_pos, ce, zero).sum() / n_loss.clamp(min=1)
         total = total + (decay**k) * loss_k
         with torch.no_grad():
-            pred = lg.argmax(-1)
             correct = ((pred + d2t[pred]) == target_ids[:, rows]) & count
-            stats[0, k] = loss_k.detach()
-            stats[1, k] = n_loss
-            stats[2, k] = correct.sum()
-            stats[3, k] = count.sum()
+            rows_k[0].append(loss_k.detach())
+            rows_k[1].append(n_loss)
+            rows_k[2].append(correct.sum())
+            rows_k[3].append(count.sum())
             if teacher.p_on_draft is not None and span > 0:
-                q = torch.softmax(lg.float(), dim=-1)
                 overlap = torch.minimum(teacher.p_on_draft[:, rows].float(), q).sum(-1)
-                stats[4, k] = torch.where(loss_pos, overlap, torch.zeros_like(overlap)).sum()
-        del logits, lg, ce
+                rows_k[4].append(torch.where(loss_pos, overlap, zero).sum())
+            else:
+                rows_k[4].append(zero)
+        del logits, lg, ce, q
+    with torch.no_grad():
+        stats = torch.stack([torch.stack(r).to(torch.float32) for r in rows_k])  # [5, K], still on device
     return TTTOutput(
         loss=total,
         step_loss=stats[0].clone(),
@@ -204,11 +257,13 @@ def teacher_from_topk(
     didx = torch.where(valid, t_to_d[ids.clamp(0, vocab - 1)], torch.full_like(ids, -1))
     keep = didx >= 0
     probs = torch.where(keep, topk_logprobs.float().exp(), torch.zeros((), device=ids.device))
-    p_on_draft = torch.zeros((*ids.shape[:-1], n_draft), dtype=torch.float32, device=ids.device)
-    p_on_draft.scatter_add_(-1, didx.clamp(min=0), probs)
-    mass = p_on_draft.sum(-1, keepdim=True)
-    target_p = torch.where(mass > 0, p_on_draft / mass.clamp(min=torch.finfo(torch.float32).tiny),
-                           torch.zeros_like(p_on_draft))
+    # renormalise the K kept entries, then scatter: no pass over [B, T, Vd] besides the two fills + scatters
+    mass = probs.sum(-1, keepdim=True)
+    renorm = torch.where(mass > 0, probs / mass.clamp(min=torch.finfo(torch.float32).tiny), torch.zeros_like(probs))
+    index = didx.clamp(min=0)
+    dense = (*ids.shape[:-1], n_draft)
+    p_on_draft = torch.zeros(dense, dtype=torch.float32, device=ids.device).scatter_add_(-1, index, probs)
+    target_p = torch.zeros(dense, dtype=torch.float32, device=ids.device).scatter_add_(-1, index, renorm)
     best = topk_logprobs.float().masked_fill(~valid, float("-inf")).argmax(-1, keepdim=True)
     target_ids = ids.gather(-1, best).squeeze(-1)
     return TeacherTargets(target_p=target_p, target_ids=target_ids, p_on_draft=p_on_draft)
@@ -234,7 +289,7 @@ def teacher_from_last_hidden(
     lead = last_hidden.shape[:-1]
     flat = last_hidden.reshape(-1, last_hidden.shape[-1])
     device = lm_head_weight.device
-    cols = torch.nonzero(t2d.to(device)).squeeze(-1)
+    cols = _draft_columns(t2d, device)
     n_tok, n_draft = flat.shape[0], cols.numel()
     target_p = torch.empty((n_tok, n_draft), dtype=torch.float32, device=device)
     p_on_draft = torch.empty((n_tok, n_draft), dtype=torch.float32, device=device)
@@ -253,3 +308,17 @@ def teacher_from_last_hidden(
         target_ids=target_ids.view(*lead),
         p_on_draft=p_on_draft.view(*lead, n_draft),
     )
+
+
+def _draft_columns(t2d: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Target ids of the draft vocab (ascending) on ``device``, cached while t2d is unchanged in place."""
+    try:
+        version = t2d._version
+    except RuntimeError:  # inference tensors carry no version counter: do not cache
+        return torch.nonzero(t2d.to(device)).squeeze(-1)
+    hit = _DRAFT_COLUMNS.get(t2d)
+    if hit is not None and hit[0] == version and hit[1] == device:
+        return hit[2]
+    cols = torch.nonzero(t2d.to(device)).squeeze(-1)
+    _DRAFT_COLUMNS[t2d] = (version, device, cols)
+    return cols
