@@ -37,3 +37,10 @@ demo: venv
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# The conformance lane (issue 8): exports in the real SGLang/vLLM loaders, numerics vs SpecForge.
+# Venvs (engine ~7 GB, specforge ~1.2 GB) are built once under CONFORMANCE_VENVS and reused.
+CONFORMANCE_VENVS ?= $(HOME)/.cache/redraft/conformance
+.PHONY: conformance
+conformance: venv
+	CONFORMANCE_VENVS="$(CONFORMANCE_VENVS)" PYTHON="$(abspath $(PY))" bash conformance/run.sh

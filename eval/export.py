@@ -11,7 +11,8 @@ written under a temporary name and renamed when complete.
 
 Afterwards the serving command is printed, with ``--max-running-requests`` and
 ``--cuda-graph-max-bs`` explicit: without them SGLang caps speculative serving at 48
-concurrent requests.
+concurrent requests. ``--verify-with sglang|vllm`` then loads OUT with that engine's own loader
+(installed in this environment; see ``eval.verify_engine``) and fails on anything left unloaded.
 """
 
 from __future__ import annotations
@@ -149,6 +150,7 @@ class ExportConfig:
     max_position_embeddings: int | None = None  # None: the DrafterConfig's (the target's context length)
     force: bool = False
     launch: LaunchPlan = field(default_factory=LaunchPlan)
+    verify_with: str | None = None  # sglang|vllm: load OUT with that engine installed here (eval.verify_engine)
 
 
 @dataclass
@@ -450,6 +452,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--trust-remote-code", action="store_true",
                    help="add --trust-remote-code (added anyway when the target's config.json has auto_map)")
     p.add_argument("--force", action="store_true", help="replace an existing non-empty OUT")
+    p.add_argument("--verify-with", choices=FORMATS, metavar="ENGINE",
+                   help="after writing OUT, load it with this engine's own loader (sglang or vllm, installed in "
+                        "this environment) and fail on any parameter left unwritten or key ignored")
     p.add_argument("-q", "--quiet", action="store_true", help="log warnings only")
     return p
 
@@ -462,7 +467,7 @@ def parse_args(argv: list[str]) -> ExportConfig:
     return ExportConfig(ckpt=a.ckpt, out=a.out, format=a.format, with_embedding=a.with_embedding, target=a.target,
                         dtype=a.dtype, target_architecture=a.target_architecture,
                         target_num_layers=a.target_num_layers, max_position_embeddings=a.max_position_embeddings,
-                        force=a.force, launch=plan)
+                        force=a.force, launch=plan, verify_with=a.verify_with)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -478,6 +483,13 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"# serve {result.out} ({ecfg.format}):")
     print(result.command)
+    if ecfg.verify_with:
+        from eval.verify_engine import run_verification
+
+        if ecfg.verify_with != ecfg.format:
+            log.warning("--verify-with %s on a %s export: loading is checked, but serve it with %s",
+                        ecfg.verify_with, ecfg.format, ecfg.format)
+        return run_verification(result.out, ecfg.verify_with)
     return 0
 
 

@@ -229,7 +229,8 @@ def serving_config(
 
     Every field SGLang's ``LlamaForCausalLMEagle3`` and vLLM's loader read is written explicitly,
     the switches of EAGLE-3 variants this drafter is not (``norm_before_fc``, ``fc_norm``,
-    ``norm_output``, ``norm_before_residual``) as false. ``max_position_embeddings`` should be
+    ``norm_before_residual``) as false; ``norm_output`` is omitted because the engines and
+    SpecForge give it opposite meanings and every default matches this drafter. ``max_position_embeddings`` should be
     the target's context length: SGLang refuses a drafter shorter than its target.
     """
     _check_format(engine)
@@ -255,7 +256,10 @@ def serving_config(
         "bias": False,
         "attention_bias": False,
         "mlp_bias": False,
-        **{name: False for name in UNSUPPORTED_SWITCHES if name != "use_aux_norm"},
+        # norm_output is left out on purpose: SGLang/vLLM read it as "feed back the post-norm hidden"
+        # (default false), SpecForge as "apply the final norm before lm_head" (default true); absent,
+        # every reader's default is this drafter.
+        **{name: False for name in UNSUPPORTED_SWITCHES if name not in ("use_aux_norm", "norm_output")},
         "torch_dtype": torch_dtype or cfg.torch_dtype,
         # nested: SGLang's target-side capture reads only eagle_config's ids
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": engine_ids, "use_aux_hidden_state": True},

@@ -1,0 +1,246 @@
+"""Engine loading conformance: our exports in SGLang's and vLLM's real loaders, broken ones refused.
+
+    python -m conformance.check_engines WORK/exports --engine-python ENGINE_VENV/bin/python \
+        --shared-tools ../shared/tools [--work WORK]
+
+For every ``<name>.json`` in the exports folder (written by ``conformance.make_drafters``):
+
+1. ``engine_load_check.py`` (the peer tool, run by the engine venv's python) loads
+   ``<name>-sglang`` and ``<name>-vllm`` in both engines (or, when the drafter's json says
+   ``"engines": "matching"``, each in its own engine: the Kimi-sized one) and must say PASS;
+2. the aux layer ids in each export's ``config.json`` are pushed through each engine's capture rule,
+   implemented HERE independently of ``extract.layers`` (serving_engines.md §2, §5), and the
+   captured tensors must be the outputs of the layers the drafter was trained on;
+3. negative controls: copies of the demo export with a renamed key, without ``d2t``, and with
+   ``model.``-prefixed keys must be refused by our own pre-check (``check_serving_state``) AND by
+   the engines (renamed / no d2t: both FAIL; ``model.`` prefix: vLLM FAILs).
+Exit code 0 only when every expectation holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("conformance.check_engines")
+
+VERDICT_RE = re.compile(r"^VERDICT (?P<engine>\w+) (?P<status>PASS|FAIL|ERROR)\b[:( ]?(?P<detail>.*)$")
+
+# Which SGLang model file serves a target architecture; decides how explicit aux ids are read.
+# Written from serving_engines.md §2 on purpose, NOT derived from extract.layers (this cross-checks it).
+SGLANG_MODEL_FILE = {
+    "LlamaForCausalLM": "llama.py",
+    "MistralForCausalLM": "llama.py",
+    "Qwen2ForCausalLM": "qwen2.py",
+    "Qwen3ForCausalLM": "qwen3.py",
+    "DeepseekV2ForCausalLM": "deepseek_v2.py",
+    "DeepseekV3ForCausalLM": "deepseek_v2.py",
+    "KimiK2ForCausalLM": "deepseek_v2.py",
+    "KimiK25ForConditionalGeneration": "deepseek_v2.py",  # kimi_k25.py wraps DeepseekV3ForCausalLM
+}
+
+# The negative controls: (name, format of the export to break, engines that must FAIL)
+BROKEN = (
+    ("renamed", "sglang", ("sglang", "vllm")),
+    ("no-d2t", "sglang", ("sglang", "vllm")),
+    ("model-prefix", "vllm", ("vllm",)),
+)
+RENAMED_FROM, RENAMED_TO = "midlayer.mlp.up_proj.weight", "midlayer.mlp.upp_proj.weight"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    engine: str
+    status: str  # PASS | FAIL | ERROR
+    detail: str
+
+
+def parse_verdicts(text: str) -> dict[str, Verdict]:
+    """The ``VERDICT <engine> PASS|FAIL|ERROR ...`` lines of the peer check's output, by engine."""
+    out: dict[str, Verdict] = {}
+    for line in text.splitlines():
+        m = VERDICT_RE.match(line.strip())
+        if m:
+            out[m["engine"]] = Verdict(m["engine"], m["status"], m["detail"].strip())
+    return out
+
+
+def expect_verdicts(verdicts: dict[str, Verdict], rc: int, want: dict[str, str]) -> list[str]:
+    """Problems when the parsed verdicts (and exit code) differ from ``want`` (engine -> PASS|FAIL)."""
+    problems = [f"{engine}: no VERDICT line" for engine in want if engine not in verdicts]
+    for engine, status in want.items():
+        got = verdicts.get(engine)
+        if got is not None and got.status != status:
+            problems.append(f"{engine}: expected {status}, got {got.status} {got.detail}"[:400])
+    expected_rc = 0 if all(s == "PASS" for s in want.values()) else 1
+    if rc != expected_rc:
+        problems.append(f"exit code {rc}, expected {expected_rc} (2 = the check could not run)")
+    return problems
+
+
+# ----------------------------------------------------------------------------- aux layer ids
+
+
+def captured_inputs(engine: str, config_ids: Sequence[int], architecture: str) -> list[int]:
+    """Decoder layers at whose INPUT ``engine`` captures, given the drafter config's ids.
+
+    SGLang llama.py-style files add 1 to every id; deepseek_v2.py adds 1 only when ids[0] == 1;
+    vLLM takes ids as given (input-of-layer). Unknown architectures are an error, not a guess.
+    """
+    ids = sorted(int(i) for i in config_ids)
+    if engine == "vllm":
+        return ids
+    if engine != "sglang":
+        raise ValueError(f"unknown engine {engine!r}")
+    if architecture not in SGLANG_MODEL_FILE:
+        raise ValueError(f"no SGLang model-file rule for target architecture {architecture!r}")
+    if SGLANG_MODEL_FILE[architecture] == "deepseek_v2.py":
+        return [i + 1 for i in ids] if ids and ids[0] == 1 else ids
+    return [i + 1 for i in ids]
+
+
+def aux_id_problems(export: Path) -> list[str]:
+    """The captured tensors (input of layer c = output of layer c-1) must be the drafter's trained layers."""
+    config = json.loads((export / "config.json").read_text())
+    record = json.loads((export / "redraft.json").read_text())
+    drafter = record["drafter"]
+    fmt = record["serving_format"]
+    ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if not ids:
+        return [f"{export}/config.json: no eagle_config.eagle_aux_hidden_state_layer_ids"]
+    outputs = [c - 1 for c in captured_inputs(fmt, ids, drafter["target_architecture"])]
+    want = sorted(drafter["aux_layer_ids"])
+    if outputs != want:
+        return [f"{export}: {fmt} captures the outputs of layers {outputs} from config ids {ids}, "
+                f"but the drafter was trained on {want}"]
+    if max(outputs) >= int(drafter["target_num_layers"]) or min(outputs) < 0:
+        return [f"{export}: captured layers {outputs} outside a {drafter['target_num_layers']}-layer target"]
+    return []
+
+
+# ----------------------------------------------------------------------------- broken exports
+
+
+def break_export(good: Path, out: Path, kind: str) -> Path:
+    """A copy of ``good`` with one deliberate defect in model.safetensors (config.json untouched)."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(good / "model.safetensors"))
+    if kind == "renamed":
+        state[RENAMED_TO] = state.pop(RENAMED_FROM)
+    elif kind == "no-d2t":
+        del state["d2t"]
+    elif kind == "model-prefix":
+        state = {f"model.{k}": v for k, v in state.items()}
+    else:
+        raise ValueError(f"unknown defect {kind!r}")
+    if out.exists():
+        shutil.rmtree(out)
+    tmp = out.with_name(f".tmp-{out.name}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    for name in ("config.json", "redraft.json"):
+        if (good / name).is_file():
+            shutil.copy(good / name, tmp / name)
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    os.replace(tmp, out)
+    return out
+
+
+def precheck_problems(folder: Path) -> str | None:
+    """Our own table check (train.serving_format) on the folder's raw keys; None when it passes."""
+    from safetensors.torch import load_file
+
+    from train.drafter import DrafterConfig
+    from train.serving_format import ServingFormatError, check_serving_state
+
+    record = json.loads((folder / "redraft.json").read_text())
+    cfg = DrafterConfig.from_dict(record["drafter"])
+    try:
+        check_serving_state(load_file(str(folder / "model.safetensors")), cfg, record.get("serving_format", "sglang"))
+    except ServingFormatError as e:
+        return str(e)
+    return None
+
+
+# ----------------------------------------------------------------------------- running the peer check
+
+
+def engine_check(python: str, tools: Path, folder: Path, engine: str, context: int | None,
+                 logdir: Path) -> tuple[int, dict[str, Verdict], float]:
+    cmd = [python, str(tools / "engine_load_check.py"), str(folder), "--engine", engine]
+    if context:
+        cmd += ["--context-length", str(context)]
+    t0 = time.time()
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    took = time.time() - t0
+    logdir.mkdir(parents=True, exist_ok=True)
+    (logdir / f"{folder.name}.{engine}.log").write_text(proc.stdout)
+    verdicts = parse_verdicts(proc.stdout)
+    for v in verdicts.values():
+        print(f"  [{took:5.1f}s] {folder.name:<28} VERDICT {v.engine} {v.status} {v.detail[:150]}")
+    return proc.returncode, verdicts, took
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m conformance.check_engines", description=__doc__.split("\n\n")[0])
+    p.add_argument("exports", type=Path, help="folder written by conformance.make_drafters")
+    p.add_argument("--engine-python", required=True, help="python of the venv built by make_engine_venv.sh")
+    p.add_argument("--shared-tools", type=Path, default=Path(os.environ.get("REDRAFT_SHARED_TOOLS", "../shared/tools")))
+    p.add_argument("--engine", default="both", choices=("sglang", "vllm", "both"),
+                   help="engines for the good exports (default both)")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="[check_engines] %(message)s")
+    tools, exports = a.shared_tools.resolve(), a.exports.resolve()
+    logdir = exports.parent / "engine-logs"
+    engines = ("sglang", "vllm") if a.engine == "both" else (a.engine,)
+    failures: list[str] = []
+    names = sorted(json.loads(f.read_text())["name"] for f in exports.glob("*.json"))
+    if not names:
+        raise SystemExit(f"{exports}: no exported drafters (<name>.json) to check")
+    for name in names:
+        meta = json.loads((exports / f"{name}.json").read_text())
+        for fmt in ("sglang", "vllm"):
+            folder = exports / f"{name}-{fmt}"
+            failures += aux_id_problems(folder)
+            use = engines if meta.get("engines", "both") == "both" else tuple(e for e in engines if e == fmt)
+            if not use:
+                continue
+            want = {e: "PASS" for e in use}
+            which = "both" if len(use) == 2 else use[0]
+            rc, verdicts, _ = engine_check(a.engine_python, tools, folder, which, meta.get("context_length"), logdir)
+            failures += [f"{folder.name}: {msg}" for msg in expect_verdicts(verdicts, rc, want)]
+    # negative controls on the demo drafter (small: seconds per engine)
+    base = "demo" if "demo" in names else names[0]
+    for kind, fmt, must_fail in BROKEN:
+        bad = break_export(exports / f"{base}-{fmt}", exports.parent / "broken" / f"{base}-{fmt}-{kind}", kind)
+        if precheck_problems(bad) is None:
+            failures.append(f"{bad.name}: our own pre-check (check_serving_state) accepted it")
+        engine = "both" if len(must_fail) == 2 else must_fail[0]
+        rc, verdicts, _ = engine_check(a.engine_python, tools, bad, engine, None, logdir)
+        failures += [f"{bad.name} (negative control): {msg}"
+                     for msg in expect_verdicts(verdicts, rc, {e: "FAIL" for e in must_fail})]
+    print()
+    if failures:
+        print("ENGINE CONFORMANCE FAILED:")
+        for msg in failures:
+            print(f"  - {msg}")
+        return 1
+    print(f"ENGINE CONFORMANCE OK: {len(names)} drafters x 2 formats load whole in {' and '.join(engines)}; "
+          f"aux ids capture the trained layers; {len(BROKEN)} broken exports refused by us and by the engines")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

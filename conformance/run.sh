@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# `make conformance`: our exports in the real SGLang/vLLM loaders, and our drafter vs SpecForge.
+#
+#   bash conformance/run.sh                # venvs under $CONFORMANCE_VENVS, work under $CONFORMANCE_WORK
+#
+# Phases (wall time printed for each):
+#   1. venvs   ../shared/tools/make_engine_venv.sh and make_specforge_venv.sh (idempotent)
+#   2. drafters  demo pipeline (extract 6 samples -> train 2 steps -> export), a Kimi-K2.5-shaped
+#              drafter, one warm-started from an imported SGLang-layout drafter (conformance.make_drafters)
+#   3. engines   engine_load_check.py on every export + aux-id capture rules + broken exports refused
+#   4. product   `python -m eval.export --verify-with sglang` inside the engine venv (item 4's path)
+#   5. specforge our logits/losses vs specforge_reference.py
+# Skips (exit 0, loudly) only when the package registries are unreachable AND the venvs are not
+# already built; every other failure fails the lane.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+PY=${PYTHON:-$ROOT/.venv/bin/python}
+TOOLS=${REDRAFT_SHARED_TOOLS:-../shared/tools}
+VENVS=${CONFORMANCE_VENVS:-$HOME/.cache/redraft/conformance}
+WORK=${CONFORMANCE_WORK:-$ROOT/.cache/conformance}
+ENGINE_VENV=$VENVS/engine
+SF_VENV=$VENVS/specforge
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline DS_ACCELERATOR=cpu
+export TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+
+LANE_START=$(date +%s)
+PHASE_START=$LANE_START
+declare -a TIMES=()
+phase() { echo; echo "=== conformance: $* ==="; PHASE_START=$(date +%s); }
+done_phase() {
+    local took=$(( $(date +%s) - PHASE_START ))
+    TIMES+=("$(printf '%-10s %5d s' "$1" "$took")")
+    echo "--- $1: ${took} s"
+}
+loud() {
+    echo
+    echo "################################################################################"
+    for line in "$@"; do echo "### $line"; done
+    echo "################################################################################"
+}
+
+if [ ! -f "$TOOLS/engine_load_check.py" ] || [ ! -f "$TOOLS/specforge_reference.py" ]; then
+    echo "conformance: shared tools not found at '$TOOLS' (set REDRAFT_SHARED_TOOLS to the folder holding" \
+         "engine_load_check.py, make_engine_venv.sh, specforge_reference.py, make_specforge_venv.sh)" >&2
+    exit 2
+fi
+TOOLS=$(cd "$TOOLS" && pwd)
+[ -x "$PY" ] || { echo "conformance: $PY missing (run 'make venv' first)" >&2; exit 2; }
+
+# ---------------------------------------------------------------- 1. venvs
+phase "1/5 venvs ($VENVS)"
+venvs_ready() {
+    [ -x "$ENGINE_VENV/bin/python" ] && [ -x "$SF_VENV/bin/python" ] || return 1
+    "$ENGINE_VENV/bin/python" -c "import sglang, vllm" >/dev/null 2>&1 || return 1
+    "$SF_VENV/bin/python" -c "import specforge" >/dev/null 2>&1
+}
+registry_reachable() {  # a quick index query per package the venvs need, with a short timeout
+    local pkg
+    for pkg in sglang vllm specforge; do
+        timeout 30 python3 -m pip index versions --timeout 10 --retries 1 "$pkg" >/dev/null 2>&1 || return 1
+    done
+}
+if ! registry_reachable && ! venvs_ready; then  # the probe takes seconds; importing the engines, ~20 s
+    loud "CONFORMANCE LANE SKIPPED: the package registries are unreachable (pip index versions" \
+         "sglang/vllm/specforge failed within 30 s) and the venvs under $VENVS are not built." \
+         "Nothing about the exports or the numerics was checked."
+    exit 0
+fi
+mkdir -p "$VENVS" "$WORK"
+build_venv() {  # build_venv SCRIPT DIR: pip's chatter goes to a log, printed only when the build fails
+    local log="$WORK/$(basename "$1" .sh).log"
+    if ! bash "$TOOLS/$1" "$2" >"$log" 2>&1; then
+        tail -n 60 "$log" | sed 's/^/  /'
+        echo "conformance: $1 failed (full log: $log)" >&2
+        exit 1
+    fi
+    grep -E '^\[make_' "$log" | sed 's/^/  /'
+}
+build_venv make_engine_venv.sh "$ENGINE_VENV"
+build_venv make_specforge_venv.sh "$SF_VENV"
+done_phase venvs
+
+# ---------------------------------------------------------------- 2. drafters
+phase "2/5 exported drafters ($WORK)"
+# everything but the extracted dataset is redone: training, checkpoint writing and export are under test
+rm -rf "$WORK/exports" "$WORK/broken" "$WORK/runs" "$WORK/verify" "$WORK/imported-sglang"
+for which in demo warm kimi; do
+    t0=$(date +%s)
+    "$PY" -m conformance.make_drafters "$which" "$WORK" --shared-tools "$TOOLS"
+    echo "  $which: $(( $(date +%s) - t0 )) s"
+done
+done_phase drafters
+
+# ---------------------------------------------------------------- 3. engines
+phase "3/5 engine loading (SGLang 0.5.23 + vLLM 0.33.0 loaders)"
+"$PY" -m conformance.check_engines "$WORK/exports" --engine-python "$ENGINE_VENV/bin/python" --shared-tools "$TOOLS"
+rm -rf "$WORK/runs/kimi" "$WORK/exports/kimi-sglang" "$WORK/exports/kimi-vllm"  # 7 GB, rebuilt every run
+done_phase engines
+
+# ---------------------------------------------------------------- 4. product --verify-with
+phase "4/5 python -m eval.export --verify-with (in the engine venv)"
+"$ENGINE_VENV/bin/python" -m eval.export "$WORK/runs/demo" "$WORK/verify/demo-sglang" --format sglang --force -q \
+    --verify-with sglang
+rc=0
+"$ENGINE_VENV/bin/python" -m eval.verify_engine "$WORK/broken/demo-sglang-no-d2t" --engine sglang || rc=$?
+if [ "$rc" != 1 ]; then
+    echo "conformance: eval.verify_engine on an export without d2t exited $rc, expected 1 (FAIL)" >&2
+    exit 1
+fi
+echo "  eval.verify_engine refused the export without d2t, as it must"
+done_phase product
+
+# ---------------------------------------------------------------- 5. specforge
+phase "5/5 numerics vs SpecForge 0.2.0"
+"$PY" -m conformance.check_specforge "$WORK/specforge" --sf-python "$SF_VENV/bin/python" --shared-tools "$TOOLS"
+done_phase specforge
+
+echo
+echo "=== conformance: all phases passed in $(( $(date +%s) - LANE_START )) s"
+for t in "${TIMES[@]}"; do echo "  $t"; done

@@ -1,0 +1,302 @@
+"""The conformance lane's own logic, without its venvs: verdict parsing, the engines' aux-id capture
+rules, broken exports caught by our pre-check, the SpecForge mask statements, and the
+"engine not installed" path of ``--verify-with``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conformance import check_engines as ce
+from conformance import check_specforge as cs
+from conformance.make_drafters import KIMI, kimi_state
+from eval import verify_engine as ve
+from eval.export import ExportConfig, export_checkpoint
+from eval.export import main as export_main
+from train.checkpoint import write_drafter_folder
+from train.drafter import DrafterConfig, Eagle3Drafter
+from train.serving_format import check_serving_state, serving_config
+from train.ttt import teacher_from_topk, ttt_forward
+from train.vocab import build_vocab_mapping
+
+PEER_OUTPUT = """\
+  IGNORED      midlayer.mlp.upp_proj.weight            (128, 64)  sglang's load_weights matched no parameter
+VERDICT sglang FAIL (2 problems): parameter model.layers.0.mlp.gate_up_proj.weight not loaded; key x ignored
+VERDICT vllm PASS: 12/12 parameters loaded (1 provided by the target by design), 15/15 checkpoint keys used
+VERDICT both FAIL: sglang FAIL, vllm PASS
+"""
+
+
+def tiny_cfg(arch: str = "LlamaForCausalLM", layers: int = 8, ids=(1, 3, 4)) -> DrafterConfig:
+    return DrafterConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         intermediate_size=48, vocab_size=100, draft_vocab_size=40, target_hidden_size=32,
+                         aux_layer_ids=list(ids), target_num_layers=layers, target_architecture=arch,
+                         torch_dtype="float32")
+
+
+def tiny_checkpoint(folder: Path, cfg: DrafterConfig) -> Path:
+    torch.manual_seed(0)
+    d = Eagle3Drafter(cfg)
+    d.set_vocab_mapping(*build_vocab_mapping(torch.arange(cfg.vocab_size), cfg.draft_vocab_size))
+    folder.mkdir(parents=True)
+    write_drafter_folder(folder, cfg, d.serving_state_dict(), {"format": "test"})
+    return folder
+
+
+def export(ckpt: Path, out: Path, fmt: str) -> Path:
+    export_checkpoint(ExportConfig(ckpt=str(ckpt), out=str(out), format=fmt))
+    return out
+
+
+# ----------------------------------------------------------------------------- verdicts
+
+
+def test_parse_verdicts_reads_each_engine_line():
+    v = ce.parse_verdicts(PEER_OUTPUT)
+    assert set(v) == {"sglang", "vllm", "both"}
+    assert v["sglang"].status == "FAIL" and "gate_up_proj" in v["sglang"].detail
+    assert v["vllm"].status == "PASS" and v["vllm"].detail.startswith("12/12")
+    assert ce.parse_verdicts("no verdict here\nVERDICTS are not lines") == {}
+
+
+def test_parse_verdicts_reads_error_lines():
+    v = ce.parse_verdicts("VERDICT vllm ERROR: engine setup failed: ImportError: x")
+    assert v["vllm"].status == "ERROR"
+
+
+def test_expect_verdicts_flags_wrong_status_missing_engine_and_exit_code():
+    v = ce.parse_verdicts(PEER_OUTPUT)
+    assert ce.expect_verdicts(v, 1, {"sglang": "FAIL"}) == []
+    problems = ce.expect_verdicts(v, 1, {"sglang": "FAIL", "vllm": "FAIL"})
+    assert len(problems) == 1 and problems[0].startswith("vllm: expected FAIL, got PASS")
+    assert any("no VERDICT" in p for p in ce.expect_verdicts({}, 0, {"sglang": "PASS"}))
+    # a negative control that could not run (exit 2) is not a refusal
+    assert any("exit code 2" in p for p in ce.expect_verdicts(v, 2, {"sglang": "FAIL"}))
+
+
+def test_our_verify_report_verdict_parses_like_the_peer_tools():
+    ok = ve.VerifyReport(engine="sglang", folder="x", params=11, keys=15, skipped_keys=["t2d"],
+                         by_design={"model.embed_tokens.weight": "target"})
+    bad = ve.VerifyReport(engine="vllm", folder="x", problems=["key d2t ignored"])
+    v = ce.parse_verdicts(ok.verdict() + "\n" + bad.verdict())
+    assert v["sglang"].status == "PASS" and "11/11" in v["sglang"].detail
+    assert v["vllm"].status == "FAIL" and "d2t" in v["vllm"].detail
+
+
+# ----------------------------------------------------------------------------- aux layer ids
+
+
+@pytest.mark.parametrize("engine,ids,arch,want", [
+    ("sglang", [1, 14, 26], "LlamaForCausalLM", [2, 15, 27]),  # llama.py: always +1
+    ("sglang", [1, 29, 57], "KimiK25ForConditionalGeneration", [2, 30, 58]),  # deepseek_v2.py: ids[0]==1 -> +1
+    ("sglang", [2, 30, 58], "KimiK25ForConditionalGeneration", [2, 30, 58]),  # ... else as given
+    ("sglang", [2, 30, 58], "DeepseekV3ForCausalLM", [2, 30, 58]),
+    ("vllm", [2, 15, 27], "LlamaForCausalLM", [2, 15, 27]),  # vLLM: as given
+    ("vllm", [1, 29, 57], "KimiK25ForConditionalGeneration", [1, 29, 57]),
+])
+def test_engine_capture_rules(engine, ids, arch, want):
+    assert ce.captured_inputs(engine, ids, arch) == want
+
+
+def test_capture_rule_refuses_unknown_architecture():
+    with pytest.raises(ValueError, match="no SGLang model-file rule"):
+        ce.captured_inputs("sglang", [1, 2, 3], "MysteryForCausalLM")
+
+
+@pytest.mark.parametrize("arch,layers,ids", [("LlamaForCausalLM", 30, (1, 14, 26)),
+                                             ("KimiK25ForConditionalGeneration", 61, (1, 29, 57))])
+def test_exports_capture_the_trained_layers_in_both_engines(tmp_path, arch, layers, ids):
+    """extract.layers' conversion (used by the export) agrees with the independently written engine rules."""
+    ckpt = tiny_checkpoint(tmp_path / "ckpt", tiny_cfg(arch, layers, ids))
+    for fmt in ("sglang", "vllm"):
+        out = export(ckpt, tmp_path / fmt, fmt)
+        assert ce.aux_id_problems(out) == []
+
+
+def test_aux_id_check_catches_ids_written_in_the_other_engines_convention(tmp_path):
+    ckpt = tiny_checkpoint(tmp_path / "ckpt", tiny_cfg("LlamaForCausalLM", 30, (1, 14, 26)))
+    out = export(ckpt, tmp_path / "vllm", "vllm")
+    record = json.loads((out / "redraft.json").read_text())
+    record["serving_format"] = "sglang"  # vLLM's [2, 15, 27] read by SGLang's llama.py: one layer too deep
+    (out / "redraft.json").write_text(json.dumps(record))
+    problems = ce.aux_id_problems(out)
+    assert len(problems) == 1 and "[2, 15, 27]" in problems[0] and "[1, 14, 26]" in problems[0]
+
+
+# ----------------------------------------------------------------------------- broken exports
+
+
+def test_good_export_passes_our_precheck(tmp_path):
+    ckpt = tiny_checkpoint(tmp_path / "ckpt", tiny_cfg())
+    assert ce.precheck_problems(export(ckpt, tmp_path / "good", "sglang")) is None
+
+
+@pytest.mark.parametrize("kind,needle", [("renamed", "upp_proj"), ("no-d2t", "missing key 'd2t'"),
+                                         ("model-prefix", "'model.fc.weight'")])
+def test_broken_exports_are_caught_by_our_precheck(tmp_path, kind, needle):
+    ckpt = tiny_checkpoint(tmp_path / "ckpt", tiny_cfg())
+    good = export(ckpt, tmp_path / "good", "vllm")
+    bad = ce.break_export(good, tmp_path / f"bad-{kind}", kind)
+    assert (bad / "config.json").read_text() == (good / "config.json").read_text()
+    problem = ce.precheck_problems(bad)
+    assert problem is not None and needle in problem
+
+
+def test_break_export_refuses_unknown_defect(tmp_path):
+    ckpt = tiny_checkpoint(tmp_path / "ckpt", tiny_cfg())
+    with pytest.raises(ValueError, match="unknown defect"):
+        ce.break_export(ckpt, tmp_path / "x", "swapped")
+
+
+# ----------------------------------------------------------------------------- Kimi-shaped drafter
+
+
+def test_kimi_config_matches_the_issue_and_engine_ids():
+    cfg = DrafterConfig(**KIMI)
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (7168, 64, 64, 128)
+    assert (cfg.intermediate_size, cfg.draft_vocab_size, cfg.vocab_size) == (18432, 32000, 163840)
+    for engine in ("sglang", "vllm"):
+        ids = serving_config(cfg, engine=engine)["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+        assert ids == [2, 30, 58]
+        assert [c - 1 for c in ce.captured_inputs(engine, ids, cfg.target_architecture)] == [1, 29, 57]
+
+
+def test_kimi_state_builder_fills_the_serving_table_in_bf16():
+    cfg = tiny_cfg("KimiK25ForConditionalGeneration", 61, (1, 29, 57))
+    state = kimi_state(cfg)
+    check_serving_state(state, cfg, "sglang", dtype=torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------- SpecForge mask statements
+
+
+def test_specforge_and_our_masks_on_a_hand_example():
+    lm = torch.tensor([[0, 0, 1, 1, 1, 0, 1, 1]])
+    real = torch.ones_like(lm)
+    t2d = torch.ones(10, dtype=torch.bool)
+    tgt = torch.zeros(1, 8, dtype=torch.int64)
+    sf = cs.specforge_position_mask(lm, real, tgt, t2d, 0)
+    ours = cs.our_position_mask(lm, real, tgt, t2d, 0)
+    assert sf.int().tolist() == [[0, 0, 1, 1, 1, 0, 1, 0]]  # loss_mask[t], last real token zeroed
+    assert ours.int().tolist() == [[1, 1, 1, 0, 1, 1, 0, 0]]  # loss_mask[t+2]
+    assert cs.specforge_position_mask(lm, real, tgt, t2d, 2).int().tolist() == [[1, 1, 1, 0, 1, 0, 0, 0]]
+    t2d[0] = False  # teacher argmax outside the draft vocab: neither counts it in the loss
+    assert not cs.specforge_position_mask(lm, real, tgt, t2d, 0).any()
+    assert not cs.our_position_mask(lm, real, tgt, t2d, 0).any()
+
+
+def test_our_mask_statement_counts_what_ttt_forward_counts():
+    cfg = cs.small_config()
+    d = cs.make_drafter(cfg, 3)
+    x = cs.make_inputs(cfg, cs.Case("t", 2, 20, 13), d.embed_tokens.weight.detach(), d.t2d, 3)
+    top = torch.sort(x["teacher_logprobs"], dim=-1, descending=True)
+    teacher = teacher_from_topk(top.indices, top.values, d.t2d, d.d2t)
+    with torch.no_grad():
+        out = ttt_forward(d, input_ids=x["input_ids"], aux_hidden=x["aux_hidden_states"],
+                          attention_mask=x["attention_mask"], loss_mask=x["loss_mask"], teacher=teacher, steps=3)
+    for k in range(3):
+        mask = cs.our_position_mask(x["loss_mask"], x["attention_mask"], teacher.target_ids, d.t2d, k)
+        assert int(mask.sum()) == int(out.step_counts[k]) > 0
+        sf = cs.specforge_position_mask(x["loss_mask"], x["attention_mask"], teacher.target_ids, d.t2d, k)
+        assert not torch.equal(mask, sf)  # the case exercises the documented difference
+
+
+# ----------------------------------------------------------------------------- eval.verify_engine
+
+
+def test_sentinel_helpers_find_unwritten_rows():
+    w = torch.zeros(4, 3)
+    ids = torch.zeros(5, dtype=torch.int64)
+    ve.sentinel_fill([w, ids])
+    assert ve.unwritten_rows(w) == (12, 4) and not ve.written_anything(w)
+    w[1:3] = 1.0
+    assert ve.unwritten_rows(w) == (6, 2) and ve.written_anything(w)
+    assert ve.unwritten_rows(ids) == (5, 5)
+    assert ve.unwritten_rows(torch.zeros(3, dtype=torch.bool)) is None
+
+
+def test_vocab_map_problems():
+    assert ve.vocab_map_problems(torch.tensor([0, 5, 9]), True, 3, 10) == []
+    assert "not one-to-one" in ve.vocab_map_problems(torch.tensor([0, 5, 5]), True, 3, 10)[0]
+    assert "outside the target vocab" in ve.vocab_map_problems(torch.tensor([0, 5, 10]), True, 3, 10)[0]
+    assert "2 entries" in ve.vocab_map_problems(torch.tensor([0, 5]), True, 3, 10)[0]
+    assert "no d2t" in ve.vocab_map_problems(None, True, 3, 10, in_checkpoint=False)[0]
+    assert "did not take it" in ve.vocab_map_problems(None, True, 3, 10, in_checkpoint=True)[0]
+    assert ve.vocab_map_problems(None, False, 10, 10) == []
+
+
+def test_synth_target_config_is_sized_from_the_draft():
+    cfg = serving_config(tiny_cfg("LlamaForCausalLM", 30, (1, 14, 26)), engine="vllm")
+    t = ve.synth_target_config(cfg, context_length=4096)
+    assert (t["vocab_size"], t["hidden_size"], t["num_hidden_layers"]) == (100, 32, 28)
+    assert t["max_position_embeddings"] == 4096
+
+
+@pytest.mark.skipif(ve.engine_installed("sglang"), reason="sglang is installed here")
+def test_verify_says_engine_not_installed(tmp_path, capsys):
+    with pytest.raises(ve.EngineNotInstalled, match="not installed in this environment"):
+        ve.verify_export(tmp_path, "sglang")
+    assert ve.run_verification(tmp_path, "sglang") == 2
+    assert "VERDICT sglang ERROR: sglang is not installed in this environment" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(ve.engine_installed("vllm"), reason="vllm is installed here")
+def test_export_verify_with_fails_clearly_without_the_engine(tmp_path, capsys):
+    ckpt = tiny_checkpoint(tmp_path / "ckpt", tiny_cfg())
+    out = tmp_path / "out"
+    rc = export_main([str(ckpt), str(out), "--format", "vllm", "--verify-with", "vllm", "-q"])
+    assert rc != 0
+    assert (out / "model.safetensors").is_file()  # the export itself is written before the check
+    assert "vllm is not installed in this environment" in capsys.readouterr().out
+
+
+def test_verify_engine_refuses_unknown_engine():
+    with pytest.raises(ValueError, match="unknown engine"):
+        ve.engine_installed("tgi")
+
+
+# ----------------------------------------------------------------------------- run.sh's skip / refusal paths
+
+RUN_SH = Path(__file__).resolve().parents[1] / "conformance" / "run.sh"
+
+
+def _run_lane(tmp_path: Path, tools: Path, fake_pip_rc: int) -> subprocess.CompletedProcess:
+    """run.sh with empty venv folders and a python3 on PATH whose `pip index` exits ``fake_pip_rc``."""
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "python3").write_text(f"#!/bin/sh\nexit {fake_pip_rc}\n")
+    (fake_bin / "python3").chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake_bin}:{os.environ['PATH']}", "REDRAFT_SHARED_TOOLS": str(tools),
+           "CONFORMANCE_VENVS": str(tmp_path / "venvs"), "CONFORMANCE_WORK": str(tmp_path / "work"),
+           "PYTHON": sys.executable}
+    return subprocess.run(["bash", str(RUN_SH)], env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_lane_skips_loudly_when_registries_are_unreachable(tmp_path):
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    for name in ("engine_load_check.py", "specforge_reference.py"):
+        (tools / name).write_text("")
+    proc = _run_lane(tmp_path, tools, fake_pip_rc=1)
+    assert proc.returncode == 0, proc.stderr
+    assert "CONFORMANCE LANE SKIPPED: the package registries are unreachable" in proc.stdout
+    assert not (tmp_path / "venvs").exists()  # nothing was built
+
+
+def test_lane_fails_clearly_without_shared_tools(tmp_path):
+    proc = _run_lane(tmp_path, tmp_path / "nowhere", fake_pip_rc=0)
+    assert proc.returncode == 2
+    assert "shared tools not found" in proc.stderr and "REDRAFT_SHARED_TOOLS" in proc.stderr
+
+
+def test_verify_report_verdict_stays_one_readable_line():
+    rep = ve.VerifyReport(engine="vllm", folder="x", problems=[f"key k{i} rejected: " + "x" * 400 for i in range(9)])
+    line = rep.verdict()
+    assert line.startswith("VERDICT vllm FAIL (9 problems)") and "... 5 more" in line and len(line) < 900
+    assert ce.parse_verdicts(line)["vllm"].status == "FAIL"
