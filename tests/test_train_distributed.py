@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -84,3 +86,28 @@ def test_two_ranks_split_the_data_and_resume(tiny):
     lb = [r["loss"] for r in read_metrics(resumed)]
     assert la == lb
     assert torch.isfinite(torch.tensor(la)).all()
+
+    # --- SIGKILL both ranks while step 6's checkpoint is being written; --resume auto redoes 4..6
+    killed = root / "killed"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "WANDB_MODE": "offline",
+           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "REDRAFT_NO_PROGRESS": "1"}
+    env.pop("WORLD_SIZE", None)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           "configs/accelerate/cpu-2proc-zero2.yaml", "--num_processes", "2", "train/main.py",
+           *base_args(data, killed, **args)]
+    with open(root / "killed.log", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        deadline = time.monotonic() + 600
+        while not (killed / ".tmp-step-0000006").exists():
+            assert proc.poll() is None, "the run ended before its last checkpoint began"
+            assert time.monotonic() < deadline, "no checkpoint write within 600 s"
+            time.sleep(0.01)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert (killed / "latest").read_text().strip() == "step-0000003"
+    assert not (killed / "step-0000006").exists()
+    launch(base_args(data, killed, resume="auto", **args), root / "after_kill.log")
+    c = load_file(str(killed / "step-0000006" / "model.safetensors"))
+    worst = max((a[k].double() - c[k].double()).abs().max().item() for k in a)
+    assert worst == 0.0, f"max |diff| after SIGKILL + resume: {worst}"
