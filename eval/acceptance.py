@@ -42,6 +42,7 @@ if __package__ in (None, ""):  # run as a script path: make the repo root import
 
 from eval import simulate as sim  # noqa: E402
 from extract.atomic import atomic_open, atomic_write_text  # noqa: E402
+from extract.config import ConfigError, parse_args_with_config  # noqa: E402
 from extract.pipeline import pack_batches  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -618,7 +619,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     from extract.store import DatasetReader
 
-    args = build_parser().parse_args(argv)
+    args = parse_args_with_config(build_parser(), argv)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = Settings(args.steps, args.topk, args.num_draft_tokens, args.temperature, args.batch_tokens,
@@ -662,6 +663,6 @@ def _json_default(x: Any) -> Any:
 if __name__ == "__main__":
     try:
         main()
-    except AcceptanceError as e:
+    except (AcceptanceError, ConfigError) as e:
         logging.getLogger(__name__).error("%s", e)
         sys.exit(2)

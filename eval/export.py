@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from extract.config import ConfigError, parse_args_with_config
 from extract.layers import to_engine_layer_ids, weight_key_candidates
 from train.checkpoint import LATEST, REDRAFT_RECORD, STEP_RE, CheckpointError, load_drafter_checkpoint
 from train.drafter import EMBED_KEY, DrafterConfig, Eagle3Drafter
@@ -460,7 +461,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str]) -> ExportConfig:
-    a = build_parser().parse_args(argv)
+    a = parse_args_with_config(build_parser(), argv)
     plan = LaunchPlan(steps=a.steps, topk=a.topk, num_draft_tokens=a.num_draft_tokens, tp=a.tp,
                       max_running_requests=a.max_running_requests, cuda_graph_max_bs=a.cuda_graph_max_bs,
                       trust_remote_code=a.trust_remote_code)
@@ -472,7 +473,12 @@ def parse_args(argv: list[str]) -> ExportConfig:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    ecfg = parse_args(argv)
+    try:
+        ecfg = parse_args(argv)
+    except ConfigError as e:
+        logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
+        log.error("%s", e)
+        return 2
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.WARNING if "-q" in argv or "--quiet" in argv else logging.INFO,
                             format="%(levelname)s %(name)s: %(message)s")
