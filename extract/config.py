@@ -151,9 +151,8 @@ def _coerce(name: str, value: Any, typ: Any, where: str) -> Any:
         raise ConfigError(f"{where}: key {name!r}: {e}") from None
 
 
-def load_yaml(path: str | Path) -> dict[str, Any]:
-    """Read a YAML config; unknown keys are an error naming the key and the file."""
-    path = Path(path)
+def read_yaml_mapping(path: Path) -> dict[str, Any]:
+    """A YAML file of option: value pairs; errors name the file."""
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except FileNotFoundError:
@@ -162,6 +161,13 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping of option: value")
+    return raw
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML config; unknown keys are an error naming the key and the file."""
+    path = Path(path)
+    raw = read_yaml_mapping(path)
     known = {f.name: f for f in dataclasses.fields(ExtractConfig)}
     values: dict[str, Any] = {}
     for key, value in raw.items():
@@ -224,14 +230,7 @@ def parse_args_with_config(parser: argparse.ArgumentParser, argv: list[str] | No
     known, _ = pre.parse_known_args(argv)
     if known.config:
         path = Path(known.config)
-        try:
-            raw = yaml.safe_load(path.read_text()) or {}
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: config file not found") from None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {e}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: expected a mapping of option: value")
+        raw = read_yaml_mapping(path)
         actions = {a.dest: a for a in parser._actions if a.option_strings and a.dest not in ("help", "config")}
         values = {}
         for key, value in raw.items():

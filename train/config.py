@@ -16,11 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-
-class ConfigError(ValueError):
-    """A bad option: unknown key, unparsable value, or an invalid combination."""
+from extract.config import ConfigError, read_yaml_mapping  # one error type and YAML reader for every stage
 
 
 def _f(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -218,12 +214,7 @@ def load_config(yaml_path: str | Path | None, overrides: list[str] | None = None
     values: dict[str, Any] = {}
     if yaml_path:
         path = Path(yaml_path)
-        try:
-            raw = yaml.safe_load(path.read_text()) or {}
-        except (OSError, yaml.YAMLError) as e:
-            raise ConfigError(f"cannot read config {path}: {e}") from e
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: expected a mapping of option: value, got {type(raw).__name__}")
+        raw = read_yaml_mapping(path)
         for key, val in raw.items():
             if key not in FIELDS:
                 raise ConfigError(f"{path}: unknown key {key!r}; valid keys: {', '.join(FIELDS)}")
