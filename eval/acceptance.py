@@ -257,10 +257,10 @@ def _teacher_kind(reader: Any, wanted: str) -> str:
 
 
 def _read_lm_head(manifest: dict[str, Any], target: Path, device: str) -> torch.Tensor:
-    from train.main import read_target_tensor
+    from train.drafter import read_target_tensor
 
-    return read_target_tensor(target, _key_candidates(manifest, target, "lm_head")).to(device=device,
-                                                                                      dtype=torch.float32)
+    weight, _ = read_target_tensor(target, _key_candidates(manifest, target, "lm_head"))
+    return weight.to(device=device, dtype=torch.float32)
 
 
 # ----------------------------------------------------------------------------- aggregation

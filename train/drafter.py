@@ -379,27 +379,14 @@ class Eagle3Drafter(nn.Module):
         Looks in ``*.safetensors.index.json`` weight maps first, then in every ``*.safetensors``
         file of the folder (or the file itself). Returns the key used.
         """
-        from safetensors import safe_open
-
-        path = Path(target_path)
-        if not key_candidates:
-            raise ValueError("load_target_embedding: no key candidates given")
-        located = _locate_tensor(path, key_candidates)
-        if located is None:
-            files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
-            raise KeyError(
-                f"load_target_embedding: none of the keys {list(key_candidates)} found in "
-                f"{[str(f) for f in files]} (or their *.safetensors.index.json)"
-            )
-        file, key = located
-        with safe_open(str(file), framework="pt") as f:
-            weight = f.get_tensor(key)
+        weight, key = read_target_tensor(target_path, key_candidates)
         want = tuple(self.embed_tokens.weight.shape)
         if tuple(weight.shape) != want:
-            raise ValueError(f"load_target_embedding: {file}:{key} has shape {tuple(weight.shape)}, drafter wants {want}")
+            raise ValueError(f"load_target_embedding: {target_path}:{key} has shape {tuple(weight.shape)}, "
+                             f"drafter wants {want}")
         with torch.no_grad():
             self.embed_tokens.weight.copy_(weight.to(self.embed_tokens.weight.device))
-        log.info("loaded target embedding %s from %s", key, file)
+        log.info("loaded target embedding %s from %s", key, target_path)
         return key
 
     def set_vocab_mapping(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
@@ -611,6 +598,30 @@ def _normalise_key(key: str) -> str:
     if key.startswith("layers.0."):
         key = "midlayer." + key[len("layers.0."):]
     return key
+
+
+def read_target_tensor(target_path: str | Path, key_candidates: Sequence[str]) -> tuple[torch.Tensor, str]:
+    """(tensor, key) of the first candidate key in the target's safetensors, reading only that tensor.
+
+    Looks in ``*.safetensors.index.json`` weight maps first, then in every ``*.safetensors`` file of
+    the folder (or the file itself): the embedding and lm_head of a 1T-parameter target are found
+    without touching the rest.
+    """
+    from safetensors import safe_open
+
+    path = Path(target_path)
+    if not key_candidates:
+        raise ValueError("read_target_tensor: no key candidates given")
+    located = _locate_tensor(path, key_candidates)
+    if located is None:
+        files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
+        raise KeyError(
+            f"none of the keys {list(key_candidates)} found in {[str(f) for f in files]} "
+            "(or their *.safetensors.index.json)"
+        )
+    file, key = located
+    with safe_open(str(file), framework="pt") as f:
+        return f.get_tensor(key), key
 
 
 def _locate_tensor(path: Path, keys: Sequence[str]) -> tuple[Path, str] | None:

@@ -163,26 +163,6 @@ def target_info(manifest: dict, target_path: Path) -> dict[str, Any]:
     }
 
 
-def read_target_tensor(target_path: Path, keys: list[str]) -> torch.Tensor:
-    """One tensor (first key found) from the target's safetensors, via the index when there is one."""
-    from safetensors import safe_open
-
-    files = sorted(target_path.glob("*.safetensors"))
-    for index in sorted(target_path.glob("*.safetensors.index.json")):
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        for key in keys:
-            if key in weight_map:
-                with safe_open(str(target_path / weight_map[key]), framework="pt") as f:
-                    return f.get_tensor(key)
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            present = set(f.keys())
-            for key in keys:
-                if key in present:
-                    return f.get_tensor(key)
-    raise KeyError(f"none of {keys} found in {[str(f) for f in files]} (or their index)")
-
-
 FINGERPRINT_KEYS = ("tokenizer_hash", "chat_template_hash")
 
 
@@ -253,7 +233,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         save_checkpoint,
     )
     from train.data import DistributedBucketSampler, FeatureDataset, SamplerState, collate, split_by_id
-    from train.drafter import DrafterConfig, Eagle3Drafter
+    from train.drafter import DrafterConfig, Eagle3Drafter, read_target_tensor
     from train.tracking import StepStats, Tracker
     from train.ttt import teacher_from_last_hidden, teacher_from_topk
     from train.vocab import build_vocab_mapping
@@ -331,7 +311,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         drafter.set_vocab_mapping(*build_vocab_mapping(reader.token_counts(), drafter_cfg.draft_vocab_size))
     lm_head = None
     if teacher_kind == "last_hidden":
-        lm_head = read_target_tensor(target_path, head_keys).to(accelerator.device)
+        lm_head = read_target_tensor(target_path, head_keys)[0].to(accelerator.device)
     model = TTTModel(drafter, cfg.ttt_steps, cfg.ttt_decay)
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log.info("drafter: %s, %.2fM trainable parameters", drafter_cfg, n_train / 1e6)
