@@ -6,6 +6,7 @@ TORCH_EXTENSIONS_DIR / ~/.cache/torch_extensions); later launches take ~10-20 s 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -14,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from helpers_train import base_args, make_dataset, make_target, read_metrics
@@ -87,7 +89,8 @@ def test_two_ranks_split_the_data_and_resume(tiny):
     assert la == lb
     assert torch.isfinite(torch.tensor(la)).all()
 
-    # --- SIGKILL both ranks while step 6's checkpoint is being written; --resume auto redoes 4..6
+    # --- SIGKILL the launcher and both ranks while step 6's checkpoint is being written;
+    #     --resume auto redoes 4..6
     killed = root / "killed"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "WANDB_MODE": "offline",
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "REDRAFT_NO_PROGRESS": "1"}
@@ -103,7 +106,12 @@ def test_two_ranks_split_the_data_and_resume(tiny):
             assert proc.poll() is None, "the run ended before its last checkpoint began"
             assert time.monotonic() < deadline, "no checkpoint write within 600 s"
             time.sleep(0.01)
-        os.killpg(proc.pid, signal.SIGKILL)
+        # SIGKILL the launcher and every rank at once (the ranks need not share its process group)
+        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        for p in tree:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.send_signal(signal.SIGKILL)
+        psutil.wait_procs(tree, timeout=60)
         proc.wait()
     assert (killed / "latest").read_text().strip() == "step-0000003"
     assert not (killed / "step-0000006").exists()
