@@ -7,6 +7,16 @@ import torch
 from train.drafter import DrafterConfig, Eagle3Drafter
 from train.vocab import build_vocab_mapping
 
+# The serving key set, written out by hand (not derived from the code under test): what SGLang/SpecForge
+# drafter folders hold, without the embedding.
+SERVING_KEYS = frozenset({
+    "fc.weight", "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight",
+    "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight", "midlayer.post_attention_layernorm.weight",
+    "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight",
+    "norm.weight", "lm_head.weight", "d2t", "t2d",
+})
+
 
 def tiny_config(**overrides) -> DrafterConfig:
     kw = dict(

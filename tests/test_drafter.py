@@ -6,20 +6,13 @@ import json
 
 import pytest
 import torch
-from helpers_drafter import tiny_config, tiny_drafter
+from helpers_drafter import SERVING_KEYS, tiny_config, tiny_drafter
 from safetensors.torch import save_file
 
 from train.drafter import DrafterConfig, Eagle3Drafter, RMSNorm, TTTCache
 
 torch.set_num_threads(1)
 
-SERVING_KEYS = {
-    "fc.weight", "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight",
-    "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight",
-    "midlayer.self_attn.o_proj.weight", "midlayer.post_attention_layernorm.weight",
-    "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight",
-    "norm.weight", "lm_head.weight", "d2t", "t2d",
-}
 
 
 def _step0_logits(d: Eagle3Drafter, seed: int = 0) -> torch.Tensor:

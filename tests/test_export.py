@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_drafter import tiny_config, tiny_drafter
+from helpers_drafter import SERVING_KEYS, tiny_config, tiny_drafter
 from safetensors.torch import load_file, save_file
 
 from eval.export import (
@@ -32,13 +32,6 @@ from train.serving_format import (
 
 torch.set_num_threads(1)
 
-SERVING_KEYS = {
-    "fc.weight", "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight",
-    "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight",
-    "midlayer.self_attn.o_proj.weight", "midlayer.post_attention_layernorm.weight",
-    "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight",
-    "norm.weight", "lm_head.weight", "d2t", "t2d",
-}
 RECORD = {"format": "redraft-checkpoint", "step": 7,
           "dataset": {"path": "/nowhere/data", "tokenizer_hash": "t" * 64, "target_config_hash": "h" * 64}}
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers_drafter import SERVING_KEYS
 from helpers_train import AUX_IDS, base_args, make_dataset, make_target, read_metrics, run_main
 from safetensors.torch import load_file
 
@@ -22,13 +23,6 @@ from train.main import cosine_with_warmup
 from train.tracking import simulated_acceptance_length
 
 ROOT = Path(__file__).resolve().parents[1]
-SERVING_KEYS = {
-    "fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
-    "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight", "midlayer.post_attention_layernorm.weight",
-    "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight",
-    "midlayer.self_attn.o_proj.weight", "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight",
-    "midlayer.mlp.down_proj.weight",
-}
 
 
 @pytest.fixture(scope="module")
