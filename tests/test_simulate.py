@@ -282,3 +282,32 @@ def test_sampled_chain_matches_direct_computation(drafter, case):
             expected += run
         assert float(res.accepted[i]) == pytest.approx(expected, abs=1e-5)
     assert float(res.accepted.mean()) > 0
+
+
+@torch.no_grad()
+def test_chain_drafts_are_the_training_steps(drafter, case):
+    """Train and eval agree: where the data tokens equal the earlier drafts, chain draft k is the
+    argmax of ttt_forward's step k at the same position (the trainer's TTT unroll is the drafting
+    the evaluator simulates, not merely a look-alike)."""
+    from train.ttt import TeacherTargets, ttt_forward
+
+    bsz, seq = case["input_ids"].shape
+    vd = drafter.config.draft_vocab_size
+    teacher = TeacherTargets(target_p=torch.full((bsz, seq, vd), 1.0 / vd), target_ids=case["target_ids"])
+    out = ttt_forward(drafter, input_ids=case["input_ids"], aux_hidden=case["aux_hidden"],
+                      attention_mask=case["attention_mask"], loss_mask=case["loss_mask"], teacher=teacher,
+                      steps=STEPS, return_logits=True)
+    res, _ = _chain(drafter, case)
+    ids = case["input_ids"]
+    compared = [0] * STEPS
+    for i in range(len(res.sample)):
+        b, p = int(res.sample[i]), int(res.position[i])
+        for k in range(STEPS):
+            if p + 1 + k >= seq:
+                break
+            ttt_draft = int(drafter.draft_to_target(out.logits[k][b, p].argmax()))
+            assert ttt_draft == int(res.drafts[i, k]), (b, p, k)
+            compared[k] += 1
+            if p + 2 + k >= seq or int(ids[b, p + 2 + k]) != int(res.drafts[i, k]):
+                break  # the data leaves the drafted path: later TTT steps read other tokens
+    assert min(compared[1:]) >= 3, f"too few multi-step agreements to test anything: {compared}"
