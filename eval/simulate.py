@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from train.drafter import Eagle3Drafter, TTTCache, _rotate_half
+from train.drafter import Eagle3Drafter, TTTCache
 
 # reasons a chain stopped, per position
 FULL, MISS, END, OFF_PATH = 0, 1, 2, 3
@@ -276,28 +276,16 @@ def _node_step(
     anc_k: torch.Tensor,
     anc_v: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One midlayer application for tree nodes; the same maths as Eagle3Drafter.step, other attention.
+    """One midlayer application for tree nodes: Eagle3Drafter's projection and output, the tree's attention.
 
     ids/pos [B, M], hidden [B, M, H]. ``prefix`` = (k0, v0 [B, n_kv, T, hd], visible [B, M, T] bool):
     the step-0 keys each node sees. ``anc_k``/``anc_v`` [B, M, A, n_kv, hd]: the node's ancestors'
     keys (all visible). Returns (h2 [B, M, H], own key, own value [B, M, n_kv, hd]).
     """
-    c = drafter.config
-    mid = drafter.midlayer
-    attn = mid.self_attn
     bsz, m = ids.shape
-    nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-    groups = nh // nkv
-    emb = drafter.embed_tokens(ids).to(hidden.dtype)
-    x = torch.cat((mid.input_layernorm(emb), mid.hidden_norm(hidden)), dim=-1)
-    q = attn.q_proj(x).view(bsz, m, nkv, groups, hd)
-    k = attn.k_proj(x).view(bsz, m, nkv, hd)
-    v = attn.v_proj(x).view(bsz, m, nkv, hd)
-    cos, sin = drafter.rope_cos_sin(pos, q.dtype)  # [B, M, hd]
-    k = k * cos[:, :, None] + _rotate_half(k) * sin[:, :, None]
-    q = q * cos[:, :, None, None] + _rotate_half(q) * sin[:, :, None, None]
+    q, k, v = drafter.attention_inputs(ids, hidden, pos)  # q [B, M, n_kv, g, hd], k/v [B, M, n_kv, hd]
     k0, v0, visible = prefix
-    scale = math.sqrt(hd)
+    scale = math.sqrt(drafter.config.head_dim)
     s_pre = torch.einsum("bmkgd,bktd->bmkgt", q, k0) / scale  # [B, M, n_kv, g, T]
     s_pre = s_pre.masked_fill(~visible[:, :, None, None, :], torch.finfo(s_pre.dtype).min)
     keys = torch.cat((anc_k, k[:, :, None]), dim=2)  # [B, M, A+1, n_kv, hd]
@@ -307,8 +295,7 @@ def _node_step(
     seq = k0.shape[2]
     out = torch.einsum("bmkgt,bktd->bmkgd", probs[..., :seq], v0)
     out = out + torch.einsum("bmkga,bmakd->bmkgd", probs[..., seq:], values)
-    h1 = hidden + attn.o_proj(out.reshape(bsz, m, nh * hd))
-    return h1 + mid.mlp(mid.post_attention_layernorm(h1)), k, v
+    return drafter.layer_output(hidden, out.reshape(bsz, m, -1)), k, v
 
 
 def _gather(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

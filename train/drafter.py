@@ -440,33 +440,46 @@ class Eagle3Drafter(nn.Module):
         ``attention_mask`` [B, T], 1 = real token). Otherwise it attends causally over the
         cached first-step keys plus the same-position keys of every later step, this one included.
         """
-        c = self.config
-        mid = self.midlayer
-        attn = mid.self_attn
         bsz, seq = input_ids.shape
-        nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        groups = nh // nkv
-
-        emb = self.embed_tokens(input_ids).to(hidden.dtype)
-        x = torch.cat((mid.input_layernorm(emb), mid.hidden_norm(hidden)), dim=-1)
-        # q grouped as [B, n_kv, groups, T, hd]: head h uses kv head h // groups (= repeat_kv)
-        q = attn.q_proj(x).view(bsz, seq, nkv, groups, hd).permute(0, 2, 3, 1, 4)
-        k = attn.k_proj(x).view(bsz, seq, nkv, hd).transpose(1, 2)
-        v = attn.v_proj(x).view(bsz, seq, nkv, hd).transpose(1, 2)
-        cos, sin = self.rope_cos_sin(position_ids, q.dtype)
-        cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, hd]
-        k = k * cos + _rotate_half(k) * sin
-        cos_q, sin_q = cos[:, :, None], sin[:, :, None]
-        q = q * cos_q + _rotate_half(q) * sin_q
-        cache.keys.append(k)
-        cache.values.append(v)
-
+        q, k, v = self.attention_inputs(input_ids, hidden, position_ids)
+        q = q.permute(0, 2, 3, 1, 4)  # [B, n_kv, groups, T, hd]
+        cache.keys.append(k.transpose(1, 2))  # [B, n_kv, T, hd]
+        cache.values.append(v.transpose(1, 2))
         if self.attention_impl == "sdpa":
             out = _sdpa_attention(q, cache, attention_mask)
         else:
             out = _eager_attention(q, cache, attention_mask)
-        out = out.permute(0, 3, 1, 2, 4).reshape(bsz, seq, nh * hd)  # [B, T, heads*hd]
-        h1 = hidden + attn.o_proj(out)
+        return self.layer_output(hidden, out.permute(0, 3, 1, 2, 4).reshape(bsz, seq, -1))
+
+    def attention_inputs(
+        self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The midlayer up to attention: rotated q [B, T, n_kv, groups, hd] and k, v [B, T, n_kv, hd].
+
+        q is grouped by kv head (head h uses kv head h // groups, as repeat_kv does), so every
+        attention pattern (the TTT cache in :meth:`step`, the tree mask in eval.simulate) shares
+        this one projection. ``input_ids``/``position_ids`` [B, T], ``hidden`` [B, T, H].
+        """
+        c = self.config
+        mid = self.midlayer
+        attn = mid.self_attn
+        bsz, seq = input_ids.shape
+        nkv, hd = c.num_key_value_heads, c.head_dim
+        emb = self.embed_tokens(input_ids).to(hidden.dtype)
+        x = torch.cat((mid.input_layernorm(emb), mid.hidden_norm(hidden)), dim=-1)
+        q = attn.q_proj(x).view(bsz, seq, nkv, c.num_attention_heads // nkv, hd)
+        k = attn.k_proj(x).view(bsz, seq, nkv, hd)
+        v = attn.v_proj(x).view(bsz, seq, nkv, hd)
+        cos, sin = self.rope_cos_sin(position_ids, q.dtype)  # [B, T, hd]
+        cos_k, sin_k = cos[:, :, None], sin[:, :, None]
+        k = k * cos_k + _rotate_half(k) * sin_k
+        q = q * cos_k[:, :, None] + _rotate_half(q) * sin_k[:, :, None]
+        return q, k, v
+
+    def layer_output(self, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """The midlayer after attention: o_proj, residual, MLP; ``attn_out`` [B, T, heads*hd] -> h2 [B, T, H]."""
+        mid = self.midlayer
+        h1 = hidden + mid.self_attn.o_proj(attn_out)
         return h1 + mid.mlp(mid.post_attention_layernorm(h1))
 
 
