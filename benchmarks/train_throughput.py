@@ -292,7 +292,7 @@ def make_target(path: Path, s: Shape) -> Path:
 
 def make_dataset(root: Path, target: Path, s: Shape, num_samples: int, per_shard: int = 8) -> Path:
     """Equal-length random samples (no padding, so tokens/s counts only real tokens)."""
-    from extract.store import SampleFeatures, finalize_dataset, write_shard
+    from extract.store import SampleFeatures, dataset_header, finalize_dataset, write_shard
 
     g = torch.Generator().manual_seed(5)
     samples = []
@@ -309,14 +309,11 @@ def make_dataset(root: Path, target: Path, s: Shape, num_samples: int, per_shard
     shards = [samples[i : i + per_shard] for i in range(0, num_samples, per_shard)]
     for index, chunk in enumerate(shards):
         write_shard(root, index, chunk, hidden_dtype="bf16", num_aux=3)
-    header = {
-        "target": {"name": "bench-stub", "path": str(target), "config_hash": "0" * 64,
-                   "architecture": "LlamaForCausalLM"},
-        "tokenizer_hash": "0" * 64, "chat_template_hash": "0" * 64, "hidden_size": s.hidden, "num_layers": 30,
-        "vocab_size": s.vocab, "aux_layer_ids": [1, 14, 26],
-        "aux_layer_convention": "output of decoder layer i, 0-based", "teacher": {"kind": "topk", "k": s.topk},
-        "hidden_dtype": "bf16", "max_length": s.seq, "generation": None, "skipped": {},
-    }
+    header = dataset_header(
+        {"name": "bench-stub", "path": str(target), "config_hash": "0" * 64, "architecture": "LlamaForCausalLM"},
+        hidden_size=s.hidden, num_layers=30, vocab_size=s.vocab, aux_layer_ids=[1, 14, 26], tokenizer_hash="0" * 64,
+        chat_template_hash="0" * 64, teacher=["topk"], topk=s.topk, hidden_dtype="bf16", max_length=s.seq,
+    )
     finalize_dataset(root, num_shards=len(shards), header=header, vocab_size=s.vocab)
     return root
 

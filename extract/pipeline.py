@@ -30,12 +30,12 @@ from extract.backends.base import GenerationConfig, TargetBackend, TeacherSpec
 from extract.chat import TokenizedSample, chat_template_hash, tokenize_conversation, tokenizer_hash
 from extract.config import ConfigError, ExtractConfig
 from extract.embedded import resolve_data, resolve_target
-from extract.layers import AUX_LAYER_CONVENTION
 from extract.records import Record, read_records, write_records_jsonl
 from extract.regenerate import regenerate_records
 from extract.store import (
     MANIFEST_NAME,
     SampleFeatures,
+    dataset_header,
     features_are_finite,
     finalize_dataset,
     read_shard_info,
@@ -180,23 +180,14 @@ def load_backend(cfg: ExtractConfig, target_path: Path) -> TargetBackend:
 def make_header(cfg: ExtractConfig, backend: TargetBackend, parse_skipped: Counter) -> dict[str, Any]:
     """The manifest fields that describe the target and the run (the store adds the shards)."""
     info = backend.info
-    return {
-        "target": asdict(info),
-        "backend": cfg.backend,
-        "tokenizer_hash": tokenizer_hash(backend.tokenizer),
-        "chat_template_hash": chat_template_hash(backend.tokenizer),
-        "hidden_size": info.hidden_size,
-        "num_layers": info.num_layers,
-        "vocab_size": info.vocab_size,
-        "aux_layer_ids": list(info.aux_layer_ids),
-        "aux_layer_convention": AUX_LAYER_CONVENTION,
-        "teacher": {"kinds": list(cfg.teacher), "topk": cfg.topk if "topk" in cfg.teacher else None},
-        "hidden_dtype": cfg.hidden_dtype,
-        "max_length": cfg.max_length,
-        "generation": _generation(cfg).to_manifest() if cfg.regenerate else None,
-        "regenerated": REGEN_NAME if cfg.regenerate else None,
-        "skipped": dict(sorted(parse_skipped.items())),
-    }
+    return dataset_header(
+        asdict(info), hidden_size=info.hidden_size, num_layers=info.num_layers, vocab_size=info.vocab_size,
+        aux_layer_ids=info.aux_layer_ids, tokenizer_hash=tokenizer_hash(backend.tokenizer),
+        chat_template_hash=chat_template_hash(backend.tokenizer), teacher=cfg.teacher,
+        topk=cfg.topk if "topk" in cfg.teacher else None, hidden_dtype=cfg.hidden_dtype, max_length=cfg.max_length,
+        backend=cfg.backend, generation=_generation(cfg).to_manifest() if cfg.regenerate else None,
+        regenerated=REGEN_NAME if cfg.regenerate else None, skipped=parse_skipped,
+    )
 
 
 def pack_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:

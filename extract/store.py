@@ -20,7 +20,7 @@ import hashlib
 import json
 import logging
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from extract.atomic import atomic_write_bytes
+from extract.layers import AUX_LAYER_CONVENTION
 
 logger = logging.getLogger(__name__)
 
@@ -111,18 +112,64 @@ def bytes_per_token(
     return float(total)
 
 
+TEACHER_KINDS = ("topk", "last_hidden")
+
+
+def dataset_header(
+    target: Mapping[str, Any],
+    *,
+    hidden_size: int,
+    num_layers: int,
+    vocab_size: int,
+    aux_layer_ids: Sequence[int],
+    tokenizer_hash: str,
+    chat_template_hash: str,
+    teacher: Sequence[str],
+    topk: int | None,
+    hidden_dtype: str,
+    max_length: int,
+    backend: str = "hf",
+    generation: Mapping[str, Any] | None = None,
+    regenerated: str | None = None,
+    skipped: Mapping[str, int] | None = None,
+) -> dict[str, Any]:
+    """The dataset-level manifest fields, for :func:`finalize_dataset` (which adds shards and totals).
+
+    The one place these names are spelled: the extraction writes its header with it, and so does
+    every synthetic dataset (tests, benchmarks), so readers never meet a second dialect.
+    ``target`` is the extraction's TargetInfo as a dict (hand-made datasets give at least name,
+    path, config_hash and architecture).
+    """
+    kinds = list(teacher)
+    bad = [k for k in kinds if k not in TEACHER_KINDS]
+    if bad or not kinds:
+        raise ValueError(f"dataset_header: teacher must name {TEACHER_KINDS}, got {kinds}")
+    if ("topk" in kinds) != (topk is not None):
+        raise ValueError(f"dataset_header: topk={topk} does not fit teacher {kinds}")
+    _check_hidden_dtype(hidden_dtype)
+    return {
+        "target": dict(target),
+        "backend": backend,
+        "tokenizer_hash": tokenizer_hash,
+        "chat_template_hash": chat_template_hash,
+        "hidden_size": int(hidden_size),
+        "num_layers": int(num_layers),
+        "vocab_size": int(vocab_size),
+        "aux_layer_ids": [int(i) for i in aux_layer_ids],
+        "aux_layer_convention": AUX_LAYER_CONVENTION,
+        "teacher": {"kinds": kinds, "topk": None if topk is None else int(topk)},
+        "hidden_dtype": hidden_dtype,
+        "max_length": int(max_length),
+        "generation": dict(generation) if generation is not None else None,
+        "regenerated": regenerated,
+        "skipped": dict(sorted((skipped or {}).items())),
+    }
+
+
 def teacher_kinds(teacher: Mapping[str, Any] | None) -> tuple[str, ...]:
-    """Kinds named by a manifest `teacher` entry: "topk", "last_hidden", "topk+last_hidden" or a list."""
-    if not teacher:
-        return ()
-    kind = teacher.get("kinds", teacher.get("kind"))
-    if isinstance(kind, str):
-        parts = kind.replace(",", "+").split("+")
-    elif isinstance(kind, list | tuple):
-        parts = [str(k) for k in kind]
-    else:
-        return ()
-    return tuple(p.strip() for p in parts if p.strip())
+    """Kinds named by a manifest's ``teacher`` entry (see :func:`dataset_header`)."""
+    kinds = (teacher or {}).get("kinds")
+    return tuple(str(k) for k in kinds) if isinstance(kinds, list | tuple) else ()
 
 
 def _clamp_logprobs(logprobs: torch.Tensor) -> torch.Tensor:
@@ -1008,5 +1055,5 @@ class DatasetReader:
         h = self._first_nonempty()
         if h is not None:
             return h.shapes["topk_ids"][1] if h.has_topk else None
-        k = self.teacher.get("k")
+        k = self.teacher.get("topk")
         return int(k) if self.has_topk and k is not None else None

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from eval import simulate as sim
-from extract.store import SampleFeatures, finalize_dataset, write_shard
+from extract.store import SampleFeatures, dataset_header, finalize_dataset, write_shard
 
 
 def _chain_drafts(drafter, ids: torch.Tensor, aux: torch.Tensor, p: int, steps: int) -> list[int]:
@@ -108,14 +108,11 @@ def write_case_dataset(root: Path, case: dict, drafter, target: Path, lm_head: t
     shards = [samples[i : i + per_shard] for i in range(0, len(samples), per_shard)]
     for s, chunk in enumerate(shards):
         write_shard(root, s, chunk, hidden_dtype="bf16", num_aux=cfg.num_aux_layers)
-    header = {
-        "target": {"name": "tiny", "path": str(target), "config_hash": "0" * 64,
-                   "architecture": cfg.target_architecture},
-        "tokenizer_hash": "t" * 64, "chat_template_hash": "c" * 64,
-        "hidden_size": cfg.target_hidden_size, "num_layers": cfg.target_num_layers, "vocab_size": cfg.vocab_size,
-        "aux_layer_ids": list(cfg.aux_layer_ids), "aux_layer_convention": "output of decoder layer i, 0-based",
-        "teacher": {"kind": "topk+last_hidden", "k": topk}, "hidden_dtype": "bf16", "max_length": 64,
-        "generation": generation, "skipped": {},
-    }
+    header = dataset_header(
+        {"name": "tiny", "path": str(target), "config_hash": "0" * 64, "architecture": cfg.target_architecture},
+        hidden_size=cfg.target_hidden_size, num_layers=cfg.target_num_layers, vocab_size=cfg.vocab_size,
+        aux_layer_ids=cfg.aux_layer_ids, tokenizer_hash="t" * 64, chat_template_hash="c" * 64,
+        teacher=["topk", "last_hidden"], topk=topk, hidden_dtype="bf16", max_length=64, generation=generation,
+    )
     finalize_dataset(root, num_shards=len(shards), header=header, vocab_size=cfg.vocab_size)
     return root

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from extract.store import SampleFeatures, finalize_dataset, write_shard
+from extract.store import SampleFeatures, dataset_header, finalize_dataset, write_shard
 
 
 def make_sample(
@@ -54,26 +54,12 @@ def make_header(
     num_aux: int = 3,
 ) -> dict[str, Any]:
     kinds = (["topk"] if topk else []) + (["last_hidden"] if last_hidden else [])
-    return {
-        "target": {
-            "name": "tiny",
-            "path": "/nowhere",
-            "config_hash": "0" * 64,
-            "architecture": "LlamaForCausalLM",
-        },
-        "tokenizer_hash": "t" * 64,
-        "chat_template_hash": "c" * 64,
-        "hidden_size": hidden,
-        "num_layers": 8,
-        "vocab_size": vocab,
-        "aux_layer_ids": list(range(1, 1 + num_aux)),
-        "aux_layer_convention": "output of decoder layer i, 0-based",
-        "teacher": {"kind": "+".join(kinds), "k": topk},
-        "hidden_dtype": hidden_dtype,
-        "max_length": 64,
-        "generation": None,
-        "skipped": {"too_long": 1},
-    }
+    return dataset_header(
+        {"name": "tiny", "path": "/nowhere", "config_hash": "0" * 64, "architecture": "LlamaForCausalLM"},
+        hidden_size=hidden, num_layers=8, vocab_size=vocab, aux_layer_ids=range(1, 1 + num_aux),
+        tokenizer_hash="t" * 64, chat_template_hash="c" * 64, teacher=kinds, topk=topk or None,
+        hidden_dtype=hidden_dtype, max_length=64, skipped={"too_long": 1},
+    )
 
 
 def make_dataset(

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from extract.store import SampleFeatures, finalize_dataset, write_shard
+from extract.store import SampleFeatures, dataset_header, finalize_dataset, write_shard
 
 HIDDEN = 64  # tiny_llama_config's hidden size
 NUM_LAYERS = 6
@@ -67,22 +67,12 @@ def make_dataset(root: Path, target: Path, vocab: int, *, num_samples: int = 64,
     shards = [samples[s : s + per_shard] for s in range(0, num_samples, per_shard)]
     for index, chunk in enumerate(shards):
         write_shard(root, index, chunk, hidden_dtype="bf16", num_aux=3)
-    header = {
-        "target": {"name": "tiny-llama", "path": str(target), "config_hash": "h" * 64,
-                   "architecture": "LlamaForCausalLM"},
-        "tokenizer_hash": "t" * 64,
-        "chat_template_hash": "c" * 64,
-        "hidden_size": HIDDEN,
-        "num_layers": NUM_LAYERS,
-        "vocab_size": vocab,
-        "aux_layer_ids": AUX_IDS,
-        "aux_layer_convention": "output of decoder layer i, 0-based",
-        "teacher": {"kind": "topk", "k": TOPK},
-        "hidden_dtype": "bf16",
-        "max_length": max_len,
-        "generation": None,
-        "skipped": {},
-    }
+    header = dataset_header(
+        {"name": "tiny-llama", "path": str(target), "config_hash": "h" * 64, "architecture": "LlamaForCausalLM"},
+        hidden_size=HIDDEN, num_layers=NUM_LAYERS, vocab_size=vocab, aux_layer_ids=AUX_IDS,
+        tokenizer_hash="t" * 64, chat_template_hash="c" * 64, teacher=["topk"], topk=TOPK, hidden_dtype="bf16",
+        max_length=max_len,
+    )
     finalize_dataset(root, num_shards=len(shards), header=header, vocab_size=vocab)
     return root
 

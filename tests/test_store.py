@@ -22,6 +22,7 @@ from extract.store import (
     DatasetError,
     DatasetReader,
     bytes_per_token,
+    dataset_header,
     features_are_finite,
     finalize_dataset,
     read_shard_info,
@@ -321,7 +322,22 @@ def test_finalize_manifest_and_token_counts(tmp_path):
         want += torch.bincount(s.input_ids[s.loss_mask], minlength=50)
     reader = DatasetReader(tmp_path)
     assert torch.equal(reader.token_counts(), want)
-    assert reader.hidden_size == 16 and reader.num_aux == 3 and reader.teacher == {"kind": "topk", "k": 4}
+    assert reader.hidden_size == 16 and reader.num_aux == 3
+    assert reader.teacher == {"kinds": ["topk"], "topk": 4} and reader.topk == 4
+
+
+def test_header_names_the_teacher_once_and_an_empty_dataset_still_knows_it(tmp_path):
+    """The manifest's teacher entry is read back even with no sample to look at (all shards empty)."""
+    make_dataset(tmp_path, shard_lengths=[[]], topk=5, last_hidden=True)
+    reader = DatasetReader(tmp_path)
+    assert len(reader.lengths) == 0
+    assert (reader.topk, reader.has_topk, reader.has_last_hidden) == (5, True, True)
+    sizes = dict(hidden_size=1, num_layers=1, vocab_size=1, aux_layer_ids=[0], tokenizer_hash="",
+                 chat_template_hash="", hidden_dtype="bf16", max_length=1)
+    with pytest.raises(ValueError, match="topk=None does not fit teacher"):
+        dataset_header({}, teacher=["topk"], topk=None, **sizes)
+    with pytest.raises(ValueError, match="teacher must name"):
+        dataset_header({}, teacher=["logits"], topk=None, **sizes)
 
 
 def test_finalize_refuses_missing_and_mismatched_shards(tmp_path):
