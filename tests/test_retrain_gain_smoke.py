@@ -27,7 +27,7 @@ def _config(tmp: Path, target: Path) -> Path:
     cfg = {
         "target": str(target), "train_prompts": 6, "max_prompt_chars": 120, "eval_prompts": 2, "max_new_tokens": 6,
         "eval_max_new_tokens": 6, "gen_batch_size": 8, "max_length": 384, "topk": 8, "samples_per_shard": 4,
-        "steps_a": 2,
+        "steps_a": 2, "train_jobs": 2,
         "train_overrides": {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
                             "intermediate_size": 64, "draft_vocab_size": 128, "tokens_per_batch": 256,
                             "val_fraction": 0.0, "eval_every": 0, "save_every": 0, "keep_last": 1, "log_every": 1,
