@@ -11,7 +11,9 @@ A benchmark, not a test. One command runs the real CLIs as subprocesses on the e
   * storage variants: bf16 vs fp8 hidden states x top-k vs last-hidden teacher (bf16/topk is C),
     each trained with the same token count, with the bytes per stored token of each combination;
   * ``python -m eval.acceptance --split all`` on the MT-bench set: tau for chains of 1..K, acceptance
-    per position, one tree setting; the storage variants also on an fp8 copy of the eval set.
+    per position, one tree setting; the storage variants also on an fp8 copy of the eval set;
+  * A/B/C also on unseen chitchat prompts answered by the target (the training domain): no goal,
+    it tells the gain from fitting the target apart from the chitchat -> MT-bench topic shift.
 
 Token budgets are planned from the datasets (the trainer's own bucket sampler, so the step count of
 B/C is the one whose tokens come closest to A's) and checked against the tokens each run logged in
@@ -74,6 +76,7 @@ class BenchConfig:
     eval_prompts: int = 80
     max_new_tokens: int = 64
     eval_max_new_tokens: int = 96
+    indomain_eval_prompts: int = 128  # held-out chitchat prompts (after the training ones), answered by the target
     gen_batch_size: int = 8
     max_length: int = 512
     topk: int = 64
@@ -127,7 +130,8 @@ class BenchConfig:
             raise BenchError(f"--scale must be > 0, got {scale}")
         return dataclasses.replace(
             self, train_prompts=max(2, round(self.train_prompts * scale)),
-            eval_prompts=max(1, round(self.eval_prompts * scale)), steps_a=max(1, round(self.steps_a * scale)))
+            eval_prompts=max(1, round(self.eval_prompts * scale)), steps_a=max(1, round(self.steps_a * scale)),
+            indomain_eval_prompts=round(self.indomain_eval_prompts * scale))
 
 
 # ----------------------------------------------------------------------------- stages
@@ -184,21 +188,22 @@ class Stages:
 # ----------------------------------------------------------------------------- data
 
 
-def first_exchanges(n: int, out: Path, max_prompt_chars: int) -> Path:
-    """The first n chitchat conversations cut to their first (human, reply) exchange, as a JSONL input.
+def first_exchanges(n: int, out: Path, max_prompt_chars: int, skip: int = 0) -> Path:
+    """n chitchat conversations cut to their first (human, reply) exchange, as a JSONL input.
 
     Opening turns longer than ``max_prompt_chars`` are passed over: a prompt that does not fit in
-    max_length cannot be answered by the target, and A/B/C must see the same prompts.
+    max_length cannot be answered by the target, and A/B/C must see the same prompts. ``skip``
+    passes over the first usable conversations (the training prompts, for the held-out set).
     """
     from extract.embedded import resolve_data
 
     if out.is_file() and sum(1 for _ in out.open()) == n:
         return out
     src = resolve_data("chitchat")
-    rows = []
+    rows: list[dict[str, Any]] = []
     with src.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
-            if len(rows) >= n:
+            if len(rows) >= skip + n:
                 break
             try:
                 rec = json.loads(line)
@@ -208,9 +213,9 @@ def first_exchanges(n: int, out: Path, max_prompt_chars: int) -> Path:
             if (len(turns) == 2 and all(str(t.get("value", "")).strip() for t in turns)
                     and len(str(turns[0]["value"])) <= max_prompt_chars):
                 rows.append({"id": rec["id"], "source": "chitchat", "conversations": turns})
-    if len(rows) < n:
-        raise BenchError(f"{src}: only {len(rows)} usable conversations, {n} asked for (train_prompts)")
-    atomic_write_text(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    if len(rows) < skip + n:
+        raise BenchError(f"{src}: only {len(rows)} usable conversations, {skip + n} asked for")
+    atomic_write_text(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows[skip:]))
     return out
 
 
@@ -492,6 +497,15 @@ def run_benchmark(cfg: BenchConfig, work: Path, *, scale: float, threads: int) -
             stages.run(f"extract-train-regen-{d}", extract_cmd(
                 cfg, str(regen["bf16"] / "regenerated.jsonl"), regen[d], teachers=train_teachers, hidden_dtype=d,
                 regenerate=False, max_samples=0, max_new_tokens=0), has_manifest(regen[d]))
+    indomain = None
+    if cfg.indomain_eval_prompts > 0:  # unseen chitchat prompts: the training domain without the topic shift
+        held_out = first_exchanges(cfg.indomain_eval_prompts,
+                                   work / "inputs" / f"chitchat-heldout-{cfg.indomain_eval_prompts}.jsonl",
+                                   cfg.max_prompt_chars, skip=cfg.train_prompts)
+        indomain = data / "eval-chitchat-bf16"
+        stages.run("extract-eval-chitchat-bf16", extract_cmd(
+            cfg, str(held_out), indomain, teachers=["topk"], hidden_dtype="bf16", regenerate=True, max_samples=0,
+            max_new_tokens=cfg.max_new_tokens), has_manifest(indomain))
     evals = {d: data / f"eval-mtbench-{d}" for d in cfg.eval_hidden_dtypes}
     stages.run("extract-eval-bf16", extract_cmd(
         cfg, "mtbench", evals["bf16"], teachers=["topk"], hidden_dtype="bf16", regenerate=True,
@@ -534,6 +548,8 @@ def run_benchmark(cfg: BenchConfig, work: Path, *, scale: float, threads: int) -
     for d in cfg.eval_hidden_dtypes:
         if d != "bf16":
             jobs.append((f"chain-{d}", storage_runs, evals[d], False))
+    if indomain is not None:
+        jobs.append(("indomain-chain", abc, indomain, False))
     results: dict[str, dict[str, Any]] = {}
     for name, job_runs, job_data, tree in jobs:
         prefix = ev / name
@@ -544,7 +560,7 @@ def run_benchmark(cfg: BenchConfig, work: Path, *, scale: float, threads: int) -
 
     # ---------------------------------------------------------------- evidence and report
     datasets = {}
-    for p in [human, *regen.values(), *evals.values()]:
+    for p in [human, *regen.values(), *evals.values(), *([indomain] if indomain else [])]:
         m = manifest(p)
         datasets[p.name] = {"path": str(p), "num_samples": m["num_samples"], "num_tokens": m["num_tokens"],
                             "num_loss_tokens": m["num_loss_tokens"], "hidden_dtype": m["hidden_dtype"],
@@ -605,6 +621,11 @@ def goals(report: dict[str, Any]) -> dict[str, Any]:
     a3, b3 = tau_at(chain["A"], 3), tau_at(chain["B"], 3)
     out["retrain_gain"] = {"tau3_A": a3, "tau3_B": b3, "tau3_C": tau_at(chain["C"], 3), "ratio_B_over_A": b3 / a3,
                            "goal": GOAL_GAIN, "met": b3 / a3 >= GOAL_GAIN}
+    ind = report["eval"].get("indomain-chain")
+    if ind:  # no goal: the same drafters without the chitchat -> MT-bench topic shift
+        ia3, ib3 = tau_at(ind["A"], 3), tau_at(ind["B"], 3)
+        out["retrain_gain_indomain"] = {"tau3_A": ia3, "tau3_B": ib3, "tau3_C": tau_at(ind["C"], 3),
+                                        "ratio_B_over_A": ib3 / ia3}
     fp8, ref = "S-fp8-topk", "S-bf16-last_hidden"
     if fp8 in chain and ref in chain:
         f3, r3 = tau_at(chain[fp8], 3), tau_at(chain[ref], 3)
@@ -635,7 +656,21 @@ def diagnosis(report: dict[str, Any]) -> list[str]:
         lines.append(f"retrain goal missed (B/A = {ratio:.2f} < {GOAL_GAIN}): compare B with C (warm start vs "
                      f"scratch: B keeps A's draft vocab, coverage {d['B']['vocab_coverage_eval']:.1%} vs C "
                      f"{d['C']['vocab_coverage_eval']:.1%}) and A's first-position acceptance "
-                     f"({chain['A']['accept_rate'][0]:.2f}); with few tokens every drafter stays near tau 1")
+                     f"({chain['A']['accept_rate'][0]:.2f})")
+    vals = {n: (d[n].get("last_val") or {}).get("acc") for n in ("A", "B", "C")}
+    if all(vals.values()):
+        lines.append("own-domain validation vs MT-bench: step-0 accuracy on each run's held-out split "
+                     + ", ".join(f"{n} {v[0]:.2f}" for n, v in vals.items()) + " against MT-bench draft-1 acceptance "
+                     + ", ".join(f"{n} {chain[n]['accept_rate'][0]:.2f}" for n in vals)
+                     + " (A's split holds human replies, B's and C's the target's)")
+    gi = g.get("retrain_gain_indomain")
+    if gi:
+        ind = report["eval"]["indomain-chain"]
+        lines.append(f"topic shift: on unseen chitchat prompts (the training domain, {ds['eval-chitchat-bf16']['num_samples']} "
+                     f"samples) B/A = {gi['ratio_B_over_A']:.2f} (tau chain 3: A {gi['tau3_A']:.3f}, B {gi['tau3_B']:.3f}, "
+                     f"C {gi['tau3_C']:.3f}; P(accept) draft 1: A {ind['A']['accept_rate'][0]:.2f}, "
+                     f"B {ind['B']['accept_rate'][0]:.2f}) against {g['retrain_gain']['ratio_B_over_A']:.2f} on MT-bench "
+                     f"(draft 1: A {chain['A']['accept_rate'][0]:.2f}, B {chain['B']['accept_rate'][0]:.2f})")
     st = g.get("storage")
     if st and not st["met"]:
         lines.append(f"storage goal missed (fp8+topk {st['tau3_fp8_topk']:.3f} vs bf16+last_hidden "
@@ -658,8 +693,9 @@ def markdown(report: dict[str, Any]) -> str:
     lines = ["# Retraining gain on the embedded target", "",
              f"Command: `{report['command']}`  ", f"Machine: {report['machine']['platform']}, "
              f"{report['machine']['cpus']} CPUs, {report['machine']['train_processes']} training process(es)  ",
-             f"Stage time: {_fmt_s(report['stage_seconds_total'])} in all (this invocation "
-             f"{_fmt_s(report['wall_seconds_this_invocation'])})", "",
+             f"Stage time: {_fmt_s(report['stage_seconds_total'])} summed over the stages (train_jobs "
+             f"{report['config'].get('train_jobs', 1)} trained at once, so the wall time is shorter; this invocation "
+             f"{_fmt_s(report['wall_seconds_this_invocation'])}, the rest reused)", "",
              "## A (mismatched) vs B (retrained) vs C (scratch), MT-bench held out, greedy, exact", "",
              "| | " + " | ".join(["A", "B", "C"]) + " |", "|---|---:|---:|---:|"]
 
@@ -702,6 +738,18 @@ def markdown(report: dict[str, Any]) -> str:
     if st:
         lines += ["", f"**Goal** fp8+topk within {GOAL_STORAGE:.0%} of bf16+last_hidden (tau chain 3): "
                   f"{st['relative_loss']:+.1%} ({'met' if st['met'] else 'missed'})"]
+    ind = report["eval"].get("indomain-chain")
+    if ind:
+        gi = report["goals"]["retrain_gain_indomain"]
+        n_ind = report["datasets"]["eval-chitchat-bf16"]["num_samples"]
+        lines += ["", f"## The same drafters on {n_ind} unseen chitchat prompts (training domain), greedy, exact", "",
+                  "| | A | B | C |", "|---|---:|---:|---:|"]
+        for j in sorted({1, 3, k}):
+            row(f"tau chain {j}", lambda n, j=j: f"{tau_at(ind[n], j):.3f}", abc)
+        for j in range(min(3, k)):
+            row(f"P(accept) draft {j + 1}", lambda n, j=j: f"{ind[n]['accept_rate'][j]:.3f}", abc)
+        lines += ["", f"B/A tau (chain 3) in the training domain: {gi['ratio_B_over_A']:.2f} (no goal; it separates "
+                  "the target-fit gain from the chitchat -> MT-bench topic shift)"]
     lines += ["", "## Evidence", ""] + [f"- {x}" for x in report["diagnosis"]]
     lines += ["", "## Stage wall times", "", "| stage | time |", "|---|---:|"]
     lines += [f"| {n} | {_fmt_s(s)} |" for n, s in report["stage_seconds"].items()]
@@ -709,29 +757,41 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def write_plot(report: dict[str, Any], path: Path) -> None:
-    """Three panels: P(accept) per position (A/B/C), tau vs chain length (A/B/C), tau@3 vs bytes per token."""
+    """P(accept) per position and tau vs chain length (A/B/C; solid MT-bench, dashed unseen chitchat), and
+    tau@3 vs bytes per token of the storage variants."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     chain = report["eval"]["chain-bf16"]
+    ind = report["eval"].get("indomain-chain") or {}
+    colors = {"A": "C0", "B": "C1", "C": "C2"}
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4))
     for n in ("A", "B", "C"):
-        ks = list(range(1, len(chain[n]["accept_rate"]) + 1))
-        a.plot(ks, chain[n]["accept_rate"], marker="o", label=n)
-        b.plot(ks, [tau_at(chain[n], j) for j in ks], marker="o", label=n)
-    a.set(xlabel="draft position", ylabel="P(draft accepted)", title="acceptance per position (MT-bench)", ylim=(0, 1))
+        for res, style, where in ((chain.get(n), "-", "MT-bench"), (ind.get(n), "--", "unseen chitchat")):
+            if res is None:
+                continue
+            ks = list(range(1, len(res["accept_rate"]) + 1))
+            kw = dict(color=colors[n], linestyle=style, marker="o" if style == "-" else ".", label=f"{n} ({where})")
+            a.plot(ks, res["accept_rate"], **kw)
+            b.plot(ks, [tau_at(res, j) for j in ks], **kw)
+    a.set(xlabel="draft position", ylabel="P(draft accepted)", title="acceptance per position", ylim=(0, 1))
     b.set(xlabel="chain length", ylabel="tau (accepted + 1)", title="tau vs chain length")
     for key, st in report["storage"].items():
         name = "C" if key == "bf16/topk" else "S-" + key.replace("/", "-")
         c.scatter(st["bytes_per_token"], tau_at(chain[name], 3))
         c.annotate(key, (st["bytes_per_token"], tau_at(chain[name], 3)), fontsize=8)
-    c.set(xlabel="stored bytes per token", ylabel="tau (chain 3)", title="storage variants")
+    if "S-bf16-last_hidden" in chain:  # the storage goal's band, so that small differences read as small
+        ref = tau_at(chain["S-bf16-last_hidden"], 3)
+        c.axhspan(ref * (1 - GOAL_STORAGE), ref * (1 + GOAL_STORAGE), color="C2", alpha=0.1,
+                  label=f"bf16/last_hidden +/- {GOAL_STORAGE:.0%}")
+        c.legend(fontsize=8)
+    c.set(xlabel="stored bytes per token", ylabel="tau (chain 3, MT-bench)", title="storage variants")
     for ax in (a, b, c):
         ax.grid(alpha=0.3)
-    a.legend()
-    b.legend()
+    a.legend(fontsize=8)
+    b.legend(fontsize=8)
     fig.tight_layout()
     try:
         with atomic_open(path, "wb") as f:
@@ -754,6 +814,9 @@ def print_summary(report: dict[str, Any]) -> None:
               + f" {t:>6}")
     g = report["goals"]["retrain_gain"]
     print(f"B/A tau(chain 3) = {g['ratio_B_over_A']:.2f} (goal {GOAL_GAIN}: {'met' if g['met'] else 'missed'})")
+    gi = report["goals"].get("retrain_gain_indomain")
+    if gi:
+        print(f"B/A tau(chain 3) on unseen chitchat prompts (training domain) = {gi['ratio_B_over_A']:.2f}")
     st = report["goals"].get("storage")
     if st:
         print(f"fp8+topk vs bf16+last_hidden tau(chain 3): {st['relative_loss']:+.1%} lower "
@@ -766,7 +829,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="sizes (YAML, BenchConfig keys)")
     ap.add_argument("--out", type=Path, required=True, help="work folder: data, drafters, eval, report.*")
-    ap.add_argument("--scale", type=float, default=1.0, help="multiplies train_prompts, eval_prompts, steps_a")
+    ap.add_argument("--scale", type=float, default=1.0, help="multiplies train_prompts, eval_prompts, indomain_eval_prompts and steps_a")
     ap.add_argument("--procs", type=int, default=None, help="training processes: 1 (plain) or 2 (accelerate "
                     "launch, DeepSpeed ZeRO-2 on CPU); default from the config")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,

@@ -26,7 +26,7 @@ SCRIPT = ROOT / "benchmarks" / "retrain_gain.py"
 def _config(tmp: Path, target: Path) -> Path:
     cfg = {
         "target": str(target), "train_prompts": 6, "max_prompt_chars": 120, "eval_prompts": 2, "max_new_tokens": 6,
-        "eval_max_new_tokens": 6, "gen_batch_size": 8, "max_length": 384, "topk": 8, "samples_per_shard": 4,
+        "eval_max_new_tokens": 6, "indomain_eval_prompts": 2, "gen_batch_size": 8, "max_length": 384, "topk": 8, "samples_per_shard": 4,
         "steps_a": 2, "train_jobs": 2,
         "train_overrides": {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
                             "intermediate_size": 64, "draft_vocab_size": 128, "tokens_per_batch": 256,
@@ -87,6 +87,14 @@ def test_retrain_gain_smoke(tmp_path: Path) -> None:
     assert set(report["eval"]["tree-bf16"]) == {"A", "B", "C"}
     assert report["eval"]["tree-bf16"]["A"]["settings"]["topk"] == 2
     assert set(report["eval"]["chain-fp8"]) == {"C", "S-fp8-last_hidden"}
+    # the in-domain held-out set: unseen chitchat prompts (after the training ones), answered by the target
+    assert set(report["eval"]["indomain-chain"]) == {"A", "B", "C"}
+    assert ds["eval-chitchat-bf16"]["num_samples"] == 2 and ds["eval-chitchat-bf16"]["generation"]["temperature"] == 0.0
+    train_ids = {json.loads(x)["id"] for x in (out / "inputs" / "chitchat-first-6.jsonl").read_text().splitlines()}
+    held_ids = {json.loads(x)["id"] for x in (out / "inputs" / "chitchat-heldout-2.jsonl").read_text().splitlines()}
+    assert len(held_ids) == 2 and not train_ids & held_ids
+    gi = report["goals"]["retrain_gain_indomain"]
+    assert gi["ratio_B_over_A"] == pytest.approx(gi["tau3_B"] / gi["tau3_A"])
 
     storage = report["storage"]
     assert storage["fp8/last_hidden"]["bytes_per_token"] < storage["bf16/topk"]["bytes_per_token"]
@@ -100,8 +108,8 @@ def test_retrain_gain_smoke(tmp_path: Path) -> None:
     assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     stages = set(report["stage_seconds"])
     assert {"extract-train-human", "extract-train-regen-bf16", "extract-train-regen-fp8", "extract-eval-bf16",
-            "extract-eval-fp8", "train-A", "train-B", "train-C", "train-S-fp8-last_hidden", "eval-chain-bf16",
-            "eval-tree-bf16", "eval-chain-fp8"} == stages
+            "extract-eval-fp8", "extract-eval-chitchat-bf16", "train-A", "train-B", "train-C", "train-S-fp8-last_hidden", "eval-chain-bf16",
+            "eval-tree-bf16", "eval-chain-fp8", "eval-indomain-chain"} == stages
 
     # rerun: nothing is redone, the checkpoints are untouched, the report is the same
     ckpt = Path(drafters["C"]["checkpoint"]) / "model.safetensors"
