@@ -46,7 +46,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from extract.atomic import atomic_open, atomic_write_text  # noqa: E402
+from extract.atomic import atomic_write_png, atomic_write_text  # noqa: E402
 
 log = logging.getLogger("bench.retrain_gain")
 
@@ -793,11 +793,7 @@ def write_plot(report: dict[str, Any], path: Path) -> None:
     a.legend(fontsize=8)
     b.legend(fontsize=8)
     fig.tight_layout()
-    try:
-        with atomic_open(path, "wb") as f:
-            fig.savefig(f, dpi=100, format="png")
-    finally:
-        plt.close(fig)
+    atomic_write_png(fig, path, dpi=100)
 
 
 def print_summary(report: dict[str, Any]) -> None:

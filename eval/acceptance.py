@@ -41,7 +41,7 @@ if __package__ in (None, ""):  # run as a script path: make the repo root import
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eval import simulate as sim  # noqa: E402
-from extract.atomic import atomic_open, atomic_write_text  # noqa: E402
+from extract.atomic import atomic_write_png, atomic_write_text  # noqa: E402
 from extract.config import ConfigError, parse_args_with_config  # noqa: E402
 from extract.pipeline import pack_batches  # noqa: E402
 
@@ -570,11 +570,7 @@ def write_plot(results: dict[str, dict[str, Any]], path: str | Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    try:
-        with atomic_open(path, "wb") as f:
-            fig.savefig(f, dpi=110, format="png")
-    finally:
-        plt.close(fig)
+    atomic_write_png(fig, path)
 
 
 # ----------------------------------------------------------------------------- CLI

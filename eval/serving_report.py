@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from extract.atomic import atomic_open, atomic_write_bytes
+from extract.atomic import atomic_write_bytes, atomic_write_png
 
 PERCENTILES = (50, 90, 99)
 SCHEMA = "redraft.serving/1"
@@ -352,8 +352,4 @@ def write_plot(report: dict[str, Any], path: Path) -> None:
     s = report["settings"]
     fig.suptitle(f"max_tokens {s.get('max_tokens')}, prompts {Path(str(s.get('prompts'))).name}", fontsize=9)
     fig.tight_layout()
-    try:
-        with atomic_open(path, "wb") as f:
-            fig.savefig(f, format="png", dpi=110)
-    finally:
-        plt.close(fig)
+    atomic_write_png(fig, path)
