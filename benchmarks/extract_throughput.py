@@ -30,13 +30,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from core.batching import pack_batches  # noqa: E402
+from core.dataset.format import SampleFeatures, bytes_per_token  # noqa: E402
+from core.dataset.writer import write_shard  # noqa: E402
+from core.embedded import resolve_data, resolve_target  # noqa: E402
 from extract.backends.base import TeacherSpec  # noqa: E402
 from extract.backends.hf import HFTarget  # noqa: E402
 from extract.chat import tokenize_conversation  # noqa: E402
-from extract.embedded import resolve_data, resolve_target  # noqa: E402
-from extract.pipeline import pack_batches  # noqa: E402
 from extract.records import read_records  # noqa: E402
-from extract.store import SampleFeatures, bytes_per_token, write_shard  # noqa: E402
 
 log = logging.getLogger("bench.extract")
 

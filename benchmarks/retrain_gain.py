@@ -46,14 +46,15 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from extract.atomic import atomic_write_png, atomic_write_text  # noqa: E402
+from retrain_gain_report import diagnosis, goals, markdown, print_summary, write_plot  # noqa: E402
+
+from core.atomic import atomic_write_text  # noqa: E402
+from core.drafter.folder import WEIGHTS_NAME, CheckpointError, resolve_drafter_folder  # noqa: E402
 
 log = logging.getLogger("bench.retrain_gain")
 
 DEFAULT_CONFIG = ROOT / "configs/demo/retrain_gain.yaml"
 ACCELERATE_CPU_CONFIG = ROOT / "configs/accelerate/cpu-2proc-zero2.yaml"
-GOAL_GAIN = 1.3  # B's tau (chain of 3) / A's
-GOAL_STORAGE = 0.02  # fp8+topk within 2% of bf16+last_hidden
 COMMON_KEYS = ("input_ids", "loss_mask", "sample_offsets")
 HIDDEN_KEYS = ("aux_hidden", "aux_scale")
 TEACHER_KEYS = {"topk": ("topk_ids", "topk_logprobs"), "last_hidden": ("last_hidden", "last_scale")}
@@ -195,7 +196,7 @@ def first_exchanges(n: int, out: Path, max_prompt_chars: int, skip: int = 0) -> 
     max_length cannot be answered by the target, and A/B/C must see the same prompts. ``skip``
     passes over the first usable conversations (the training prompts, for the held-out set).
     """
-    from extract.embedded import resolve_data
+    from core.embedded import resolve_data
 
     if out.is_file() and sum(1 for _ in out.open()) == n:
         return out
@@ -287,7 +288,7 @@ def train_options(cfg: BenchConfig) -> dict[str, Any]:
 
 def planned_tokens(data: Path, steps: int, opts: dict[str, Any], world: int) -> list[int]:
     """Cumulative training tokens after each of ``steps`` optimizer steps, from the trainer's own sampler."""
-    from extract.store import DatasetReader
+    from core.dataset.reader import DatasetReader
     from train.data import DistributedBucketSampler, split_by_id
 
     reader = DatasetReader(data)
@@ -343,11 +344,11 @@ def logged_tokens(run: Path) -> dict[str, Any]:
 
 
 def latest_checkpoint(run: Path) -> Path | None:
-    latest = run / "latest"
-    if not latest.is_file():
+    """The run's newest checkpoint, or None before its first save."""
+    try:
+        return resolve_drafter_folder(run) if run.is_dir() else None
+    except CheckpointError:
         return None
-    folder = run / latest.read_text().strip()
-    return folder if (folder / "model.safetensors").is_file() else None
 
 
 def train_done(run: Path, steps: int) -> Any:
@@ -364,7 +365,7 @@ def _newer_than_checkpoints(path: Path, runs: list[Path]) -> bool:
     if not path.is_file():
         return False
     ckpts = [latest_checkpoint(r) for r in runs]
-    return all(c is not None and (c / "model.safetensors").stat().st_mtime <= path.stat().st_mtime for c in ckpts)
+    return all(c is not None and (c / WEIGHTS_NAME).stat().st_mtime <= path.stat().st_mtime for c in ckpts)
 
 
 # ----------------------------------------------------------------------------- evidence
@@ -374,9 +375,9 @@ def vocab_coverage(ckpt: Path, eval_data: Path) -> float:
     """Fraction of the eval set's loss tokens whose token is in the drafter's draft vocab (t2d)."""
     from safetensors import safe_open
 
-    from extract.store import DatasetReader
+    from core.dataset.reader import DatasetReader
 
-    with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
+    with safe_open(str(ckpt / WEIGHTS_NAME), "pt") as f:
         t2d = f.get_tensor("t2d").bool()
     counts = DatasetReader(eval_data).token_counts().double()
     n = min(len(counts), len(t2d))
@@ -606,219 +607,6 @@ def run_benchmark(cfg: BenchConfig, work: Path, *, scale: float, threads: int) -
     atomic_write_text(work / "report.md", markdown(report))
     write_plot(report, work / "report.png")
     return report
-
-
-# ----------------------------------------------------------------------------- goals and diagnosis
-
-
-def tau_at(res: dict[str, Any], length: int) -> float:
-    return float(res["tau_per_chain_length"][str(min(length, len(res["accept_rate"])))])
-
-
-def goals(report: dict[str, Any]) -> dict[str, Any]:
-    chain = report["eval"]["chain-bf16"]
-    out: dict[str, Any] = {}
-    a3, b3 = tau_at(chain["A"], 3), tau_at(chain["B"], 3)
-    out["retrain_gain"] = {"tau3_A": a3, "tau3_B": b3, "tau3_C": tau_at(chain["C"], 3), "ratio_B_over_A": b3 / a3,
-                           "goal": GOAL_GAIN, "met": b3 / a3 >= GOAL_GAIN}
-    ind = report["eval"].get("indomain-chain")
-    if ind:  # no goal: the same drafters without the chitchat -> MT-bench topic shift
-        ia3, ib3 = tau_at(ind["A"], 3), tau_at(ind["B"], 3)
-        out["retrain_gain_indomain"] = {"tau3_A": ia3, "tau3_B": ib3, "tau3_C": tau_at(ind["C"], 3),
-                                        "ratio_B_over_A": ib3 / ia3}
-    fp8, ref = "S-fp8-topk", "S-bf16-last_hidden"
-    if fp8 in chain and ref in chain:
-        f3, r3 = tau_at(chain[fp8], 3), tau_at(chain[ref], 3)
-        rel = (r3 - f3) / r3
-        out["storage"] = {"tau3_fp8_topk": f3, "tau3_bf16_last_hidden": r3, "relative_loss": rel,
-                          "goal": GOAL_STORAGE, "met": rel <= GOAL_STORAGE}
-    return out
-
-
-def diagnosis(report: dict[str, Any]) -> list[str]:
-    """Facts that explain a missed goal: data volume, TTT, vocab coverage, lr, per-position acceptance."""
-    d, chain, g = report["drafters"], report["eval"]["chain-bf16"], report["goals"]
-    lines = []
-    for name in ("A", "B", "C"):
-        r = d[name]
-        acc = ", ".join(f"{x:.2f}" for x in chain[name]["accept_rate"][:4])
-        lines.append(f"{name}: {r['tokens_seen_metrics']} tokens seen ({r['loss_tokens_seen_metrics']} loss tokens, "
-                     f"{r['epochs_over_data']:.1f} epochs over {r['data']}), lr {r['lr']}, TTT {r['ttt_steps']}, "
-                     f"draft vocab covers {r['vocab_coverage_eval']:.1%} of the eval loss tokens; "
-                     f"P(accept) at positions 1-4: {acc}")
-    ds = report["datasets"]
-    h, rg = ds["train-human"], ds["train-regen-bf16"]
-    lines.append(f"loss tokens per sample: human replies {h['loss_tokens_per_sample']:.1f}, target replies "
-                 f"{rg['loss_tokens_per_sample']:.1f} (same prompts); equal total tokens give B/C "
-                 f"{d['B']['loss_tokens_seen_metrics'] / max(d['A']['loss_tokens_seen_metrics'], 1):.2f}x A's loss tokens")
-    if not g["retrain_gain"]["met"]:
-        ratio = g["retrain_gain"]["ratio_B_over_A"]
-        lines.append(f"retrain goal missed (B/A = {ratio:.2f} < {GOAL_GAIN}): compare B with C (warm start vs "
-                     f"scratch: B keeps A's draft vocab, coverage {d['B']['vocab_coverage_eval']:.1%} vs C "
-                     f"{d['C']['vocab_coverage_eval']:.1%}) and A's first-position acceptance "
-                     f"({chain['A']['accept_rate'][0]:.2f})")
-    vals = {n: (d[n].get("last_val") or {}).get("acc") for n in ("A", "B", "C")}
-    if all(vals.values()):
-        lines.append("own-domain validation vs MT-bench: step-0 accuracy on each run's held-out split "
-                     + ", ".join(f"{n} {v[0]:.2f}" for n, v in vals.items()) + " against MT-bench draft-1 acceptance "
-                     + ", ".join(f"{n} {chain[n]['accept_rate'][0]:.2f}" for n in vals)
-                     + " (A's split holds human replies, B's and C's the target's)")
-    gi = g.get("retrain_gain_indomain")
-    if gi:
-        ind = report["eval"]["indomain-chain"]
-        lines.append(f"topic shift: on unseen chitchat prompts (the training domain, {ds['eval-chitchat-bf16']['num_samples']} "
-                     f"samples) B/A = {gi['ratio_B_over_A']:.2f} (tau chain 3: A {gi['tau3_A']:.3f}, B {gi['tau3_B']:.3f}, "
-                     f"C {gi['tau3_C']:.3f}; P(accept) draft 1: A {ind['A']['accept_rate'][0]:.2f}, "
-                     f"B {ind['B']['accept_rate'][0]:.2f}) against {g['retrain_gain']['ratio_B_over_A']:.2f} on MT-bench "
-                     f"(draft 1: A {chain['A']['accept_rate'][0]:.2f}, B {chain['B']['accept_rate'][0]:.2f})")
-    st = g.get("storage")
-    if st and not st["met"]:
-        lines.append(f"storage goal missed (fp8+topk {st['tau3_fp8_topk']:.3f} vs bf16+last_hidden "
-                     f"{st['tau3_bf16_last_hidden']:.3f}, {st['relative_loss']:.1%} lower): the difference is within "
-                     "run-to-run noise when the eval set is small; see positions evaluated in eval/chain-bf16.md")
-    return lines
-
-
-# ----------------------------------------------------------------------------- report
-
-
-def _fmt_s(s: float | None) -> str:
-    return "-" if s is None else f"{s / 60:.1f} min" if s >= 120 else f"{s:.0f} s"
-
-
-def markdown(report: dict[str, Any]) -> str:
-    chain, d = report["eval"]["chain-bf16"], report["drafters"]
-    tree = report["eval"].get("tree-bf16")
-    k = len(next(iter(chain.values()))["accept_rate"])
-    lines = ["# Retraining gain on the embedded target", "",
-             f"Command: `{report['command']}`  ", f"Machine: {report['machine']['platform']}, "
-             f"{report['machine']['cpus']} CPUs, {report['machine']['train_processes']} training process(es)  ",
-             f"Stage time: {_fmt_s(report['stage_seconds_total'])} summed over the stages (train_jobs "
-             f"{report['config'].get('train_jobs', 1)} trained at once, so the wall time is shorter; this invocation "
-             f"{_fmt_s(report['wall_seconds_this_invocation'])}, the rest reused)", "",
-             "## A (mismatched) vs B (retrained) vs C (scratch), MT-bench held out, greedy, exact", "",
-             "| | " + " | ".join(["A", "B", "C"]) + " |", "|---|---:|---:|---:|"]
-
-    def row(label: str, fn: Any, names: list[str]) -> None:
-        lines.append(f"| {label} | " + " | ".join(fn(n) for n in names) + " |")
-
-    abc = ["A", "B", "C"]
-    row("training data", lambda n: d[n]["data"], abc)
-    row("init", lambda n: "A" if d[n]["init_from"] else "scratch", abc)
-    row("steps", lambda n: str(d[n]["steps"]), abc)
-    row("tokens planned / logged", lambda n: f"{d[n]['planned_tokens']} / {d[n]['tokens_seen_metrics']}", abc)
-    row("loss tokens logged", lambda n: str(d[n]["loss_tokens_seen_metrics"]), abc)
-    row("lr / TTT", lambda n: f"{d[n]['lr']} / {d[n]['ttt_steps']}", abc)
-    row("draft-vocab coverage of eval", lambda n: f"{d[n]['vocab_coverage_eval']:.1%}", abc)
-    for j in range(1, k + 1):
-        row(f"tau chain {j}", lambda n, j=j: f"{tau_at(chain[n], j):.3f}", abc)
-    for j in range(k):
-        row(f"P(accept) draft {j + 1}", lambda n, j=j: f"{chain[n]['accept_rate'][j]:.3f}", abc)
-    if tree:
-        s = next(iter(tree.values()))["settings"]
-        row(f"tau tree (steps {s['steps']}, topk {s['topk']}, {s['num_draft_tokens']} tokens)",
-            lambda n: f"{tree[n]['tau']:.3f}", abc)
-    row("train time", lambda n: _fmt_s(d[n]["train_seconds"]), abc)
-    g = report["goals"]["retrain_gain"]
-    lines += ["", f"**Goal** B/A tau (chain 3) >= {GOAL_GAIN}: {g['ratio_B_over_A']:.2f} "
-              f"({'met' if g['met'] else 'missed'})", "",
-              "## Storage variants (scratch, same token budget)", "",
-              f"| hidden / teacher | bytes/token (used) | bytes/token (files) | tau chain 3 | tau chain {k} |"
-              + "".join(f" tau chain 3 ({e[len('chain-'):]} eval) |" for e in report["eval"] if e.startswith("chain-")
-                        and e != "chain-bf16"),
-              "|---|---:|---:|---:|---:|" + "---:|" * sum(1 for e in report["eval"] if e.startswith("chain-")
-                                                      and e != "chain-bf16")]
-    for key, st in report["storage"].items():
-        name = "C" if key == "bf16/topk" else "S-" + key.replace("/", "-")
-        extra = "".join(f" {tau_at(r[name], 3):.3f} |" for e, r in report["eval"].items()
-                        if e.startswith("chain-") and e != "chain-bf16")
-        lines.append(f"| {key} | {st['bytes_per_token']:.0f} | {st['file_bytes_per_token']:.0f} | "
-                     f"{tau_at(chain[name], 3):.3f} | {tau_at(chain[name], k):.3f} |{extra}")
-    st = report["goals"].get("storage")
-    if st:
-        lines += ["", f"**Goal** fp8+topk within {GOAL_STORAGE:.0%} of bf16+last_hidden (tau chain 3): "
-                  f"{st['relative_loss']:+.1%} ({'met' if st['met'] else 'missed'})"]
-    ind = report["eval"].get("indomain-chain")
-    if ind:
-        gi = report["goals"]["retrain_gain_indomain"]
-        n_ind = report["datasets"]["eval-chitchat-bf16"]["num_samples"]
-        lines += ["", f"## The same drafters on {n_ind} unseen chitchat prompts (training domain), greedy, exact", "",
-                  "| | A | B | C |", "|---|---:|---:|---:|"]
-        for j in sorted({1, 3, k}):
-            row(f"tau chain {j}", lambda n, j=j: f"{tau_at(ind[n], j):.3f}", abc)
-        for j in range(min(3, k)):
-            row(f"P(accept) draft {j + 1}", lambda n, j=j: f"{ind[n]['accept_rate'][j]:.3f}", abc)
-        lines += ["", f"B/A tau (chain 3) in the training domain: {gi['ratio_B_over_A']:.2f} (no goal; it separates "
-                  "the target-fit gain from the chitchat -> MT-bench topic shift)"]
-    lines += ["", "## Evidence", ""] + [f"- {x}" for x in report["diagnosis"]]
-    lines += ["", "## Stage wall times", "", "| stage | time |", "|---|---:|"]
-    lines += [f"| {n} | {_fmt_s(s)} |" for n, s in report["stage_seconds"].items()]
-    return "\n".join(lines) + "\n"
-
-
-def write_plot(report: dict[str, Any], path: Path) -> None:
-    """P(accept) per position and tau vs chain length (A/B/C; solid MT-bench, dashed unseen chitchat), and
-    tau@3 vs bytes per token of the storage variants."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    chain = report["eval"]["chain-bf16"]
-    ind = report["eval"].get("indomain-chain") or {}
-    colors = {"A": "C0", "B": "C1", "C": "C2"}
-    fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4))
-    for n in ("A", "B", "C"):
-        for res, style, where in ((chain.get(n), "-", "MT-bench"), (ind.get(n), "--", "unseen chitchat")):
-            if res is None:
-                continue
-            ks = list(range(1, len(res["accept_rate"]) + 1))
-            kw = dict(color=colors[n], linestyle=style, marker="o" if style == "-" else ".", label=f"{n} ({where})")
-            a.plot(ks, res["accept_rate"], **kw)
-            b.plot(ks, [tau_at(res, j) for j in ks], **kw)
-    a.set(xlabel="draft position", ylabel="P(draft accepted)", title="acceptance per position", ylim=(0, 1))
-    b.set(xlabel="chain length", ylabel="tau (accepted + 1)", title="tau vs chain length")
-    for key, st in report["storage"].items():
-        name = "C" if key == "bf16/topk" else "S-" + key.replace("/", "-")
-        c.scatter(st["bytes_per_token"], tau_at(chain[name], 3))
-        c.annotate(key, (st["bytes_per_token"], tau_at(chain[name], 3)), fontsize=8)
-    if "S-bf16-last_hidden" in chain:  # the storage goal's band, so that small differences read as small
-        ref = tau_at(chain["S-bf16-last_hidden"], 3)
-        c.axhspan(ref * (1 - GOAL_STORAGE), ref * (1 + GOAL_STORAGE), color="C2", alpha=0.1,
-                  label=f"bf16/last_hidden +/- {GOAL_STORAGE:.0%}")
-        c.legend(fontsize=8)
-    c.set(xlabel="stored bytes per token", ylabel="tau (chain 3, MT-bench)", title="storage variants")
-    for ax in (a, b, c):
-        ax.grid(alpha=0.3)
-    a.legend(fontsize=8)
-    b.legend(fontsize=8)
-    fig.tight_layout()
-    atomic_write_png(fig, path, dpi=100)
-
-
-def print_summary(report: dict[str, Any]) -> None:
-    chain, d = report["eval"]["chain-bf16"], report["drafters"]
-    head = f"{'drafter':<20} {'tokens':>8} {'loss tok':>8} {'cover':>6} " + " ".join(
-        f"{'tau' + str(j):>6}" for j in (1, 3, 7)) + f" {'tree':>6}"
-    print(head)
-    print("-" * len(head))
-    tree = report["eval"].get("tree-bf16") or {}
-    for n, r in d.items():
-        t = f"{tree[n]['tau']:.3f}" if n in tree else "-"
-        print(f"{n:<20} {r['tokens_seen_metrics']:>8} {r['loss_tokens_seen_metrics']:>8} "
-              f"{r['vocab_coverage_eval']:>6.1%} " + " ".join(f"{tau_at(chain[n], j):>6.3f}" for j in (1, 3, 7))
-              + f" {t:>6}")
-    g = report["goals"]["retrain_gain"]
-    print(f"B/A tau(chain 3) = {g['ratio_B_over_A']:.2f} (goal {GOAL_GAIN}: {'met' if g['met'] else 'missed'})")
-    gi = report["goals"].get("retrain_gain_indomain")
-    if gi:
-        print(f"B/A tau(chain 3) on unseen chitchat prompts (training domain) = {gi['ratio_B_over_A']:.2f}")
-    st = report["goals"].get("storage")
-    if st:
-        print(f"fp8+topk vs bf16+last_hidden tau(chain 3): {st['relative_loss']:+.1%} lower "
-              f"(goal <= {GOAL_STORAGE:.0%}: {'met' if st['met'] else 'missed'})")
-    print(f"stages: {_fmt_s(report['stage_seconds_total'])} in all; this invocation "
-          f"{_fmt_s(report['wall_seconds_this_invocation'])}")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -6,7 +6,7 @@ A benchmark, not a test. For each drafter shape (the demo config and a larger on
     it (teacher_from_topk densification, TTTModel forward over K TTT steps, backward, gradient
     clipping, AdamW), timed best-of-N, with a timed square fp32 matmul at the same thread count
     interleaved between the repeats (the "peak"); the figure is achieved FLOP/s / peak;
-  * through train/main.py itself on a synthetic dataset (extract.store.write_shard +
+  * through train/main.py itself on a synthetic dataset (core.dataset.writer.write_shard +
     finalize_dataset) and a stub target folder: 1 plain process (--threads threads) and 2
     DeepSpeed ZeRO-2 processes over gloo (`accelerate launch --config_file
     configs/accelerate/cpu-2proc-zero2.yaml`, 1 thread each), tokens/s read from the run's own
@@ -131,9 +131,11 @@ def matmul_peak(threads: int, n: int = 2048, repeats: int = 3) -> float:
 
 
 def _drafter_and_batch(s: Shape, seed: int = 0):
-    from train.drafter import DrafterConfig, Eagle3Drafter
-    from train.main import TTTModel
-    from train.vocab import build_vocab_mapping, draft_token_ids
+    from core.dataset.batch import Batch
+    from core.drafter.config import DrafterConfig
+    from core.drafter.modeling import Eagle3Drafter
+    from core.drafter.vocab import build_vocab_mapping, draft_token_ids
+    from train.ttt import TTTModel
 
     torch.manual_seed(seed)
     cfg = DrafterConfig(
@@ -148,7 +150,7 @@ def _drafter_and_batch(s: Shape, seed: int = 0):
         drafter.embed_tokens.weight.normal_(0, 0.02, generator=g)
     counts = torch.randint(0, 10_000, (s.vocab,), generator=g)
     drafter.set_vocab_mapping(*build_vocab_mapping(counts, s.draft_vocab))
-    model = TTTModel(drafter, s.ttt_steps, 0.8)
+    model = TTTModel(drafter, steps=s.ttt_steps, decay=0.8)
     draft_ids = draft_token_ids(drafter.d2t)
     b, t, k = s.batch, s.seq, s.topk
     in_draft = draft_ids[torch.randint(0, s.draft_vocab, (b, t, k), generator=g)]
@@ -157,27 +159,22 @@ def _drafter_and_batch(s: Shape, seed: int = 0):
     topk_lp = torch.log_softmax(2 * torch.randn(b, t, k, generator=g), -1).sort(-1, descending=True).values
     loss_mask = torch.ones(b, t, dtype=torch.int64)
     loss_mask[:, : t // 10] = 0  # a prompt
-    batch = {
-        "input_ids": torch.randint(0, s.vocab, (b, t), generator=g),
-        "aux_hidden": torch.randn(b, t, 3 * s.target_hidden, generator=g),
-        "attention_mask": torch.ones(b, t, dtype=torch.int64),
-        "loss_mask": loss_mask,
-        "topk_ids": topk_ids,
-        "topk_logprobs": topk_lp,
-    }
+    batch = Batch(
+        input_ids=torch.randint(0, s.vocab, (b, t), generator=g),
+        attention_mask=torch.ones(b, t, dtype=torch.int64),
+        loss_mask=loss_mask,
+        aux_hidden=torch.randn(b, t, 3 * s.target_hidden, generator=g),
+        topk_ids=topk_ids,
+        topk_logprobs=topk_lp,
+        last_hidden=None,
+        sample_ids=[f"s{i}" for i in range(b)],
+    )
     return model, batch
 
 
 def _train_step(model, optimizer, batch) -> Any:
     """What train/main.py does per micro-batch with grad_accum 1 in one plain process."""
-    from train.ttt import teacher_from_topk
-
-    d = model.drafter
-    with torch.no_grad():
-        teacher = teacher_from_topk(batch["topk_ids"], batch["topk_logprobs"], d.t2d, d.d2t)
-    out = model(input_ids=batch["input_ids"], aux_hidden=batch["aux_hidden"], attention_mask=batch["attention_mask"],
-                loss_mask=batch["loss_mask"], target_p=teacher.target_p, target_ids=teacher.target_ids,
-                p_on_draft=teacher.p_on_draft)
+    out = model(batch)
     out.loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
     optimizer.step()
@@ -292,7 +289,8 @@ def make_target(path: Path, s: Shape) -> Path:
 
 def make_dataset(root: Path, target: Path, s: Shape, num_samples: int, per_shard: int = 8) -> Path:
     """Equal-length random samples (no padding, so tokens/s counts only real tokens)."""
-    from extract.store import SampleFeatures, dataset_header, finalize_dataset, write_shard
+    from core.dataset.format import SampleFeatures, dataset_header
+    from core.dataset.writer import finalize_dataset, write_shard
 
     g = torch.Generator().manual_seed(5)
     samples = []

@@ -9,7 +9,7 @@ For every ``<name>.json`` in the exports folder (written by ``conformance.make_d
    ``<name>-sglang`` and ``<name>-vllm`` in both engines (or, when the drafter's json says
    ``"engines": "matching"``, each in its own engine: the Kimi-sized one) and must say PASS;
 2. the aux layer ids in each export's ``config.json`` are pushed through each engine's capture rule,
-   implemented HERE independently of ``extract.layers`` (serving_engines.md §2, §5), and the
+   implemented HERE independently of ``core.layers`` (serving_engines.md §2, §5), and the
    captured tensors must be the outputs of the layers the drafter was trained on;
 3. negative controls: copies of the demo export with a renamed key, without ``d2t``, and with
    ``model.``-prefixed keys must be refused by our own pre-check (``check_serving_state``) AND by
@@ -37,7 +37,7 @@ log = logging.getLogger("conformance.check_engines")
 VERDICT_RE = re.compile(r"^VERDICT (?P<engine>\w+) (?P<status>PASS|FAIL|ERROR)\b[:( ]?(?P<detail>.*)$")
 
 # Which SGLang model file serves a target architecture; decides how explicit aux ids are read.
-# Written from serving_engines.md §2 on purpose, NOT derived from extract.layers (this cross-checks it).
+# Written from serving_engines.md §2 on purpose, NOT derived from core.layers (this cross-checks it).
 SGLANG_MODEL_FILE = {
     "LlamaForCausalLM": "llama.py",
     "MistralForCausalLM": "llama.py",
@@ -159,11 +159,11 @@ def break_export(good: Path, out: Path, kind: str) -> Path:
 
 
 def precheck_problems(folder: Path) -> str | None:
-    """Our own table check (train.serving_format) on the folder's raw keys; None when it passes."""
+    """Our own table check (core.drafter.serving_format) on the folder's raw keys; None when it passes."""
     from safetensors.torch import load_file
 
-    from train.drafter import DrafterConfig
-    from train.serving_format import ServingFormatError, check_serving_state
+    from core.drafter.config import DrafterConfig
+    from core.drafter.serving_format import ServingFormatError, check_serving_state
 
     record = json.loads((folder / "redraft.json").read_text())
     cfg = DrafterConfig.from_dict(record["drafter"])

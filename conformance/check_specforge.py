@@ -60,7 +60,7 @@ CASES = (Case("plain-T24", 2, 24, None), Case("padded-T24", 2, 24, 15), Case("pa
 
 
 def small_config():
-    from train.drafter import DrafterConfig
+    from core.drafter.config import DrafterConfig
 
     # GQA, target hidden != drafter hidden (fc really projects), non-default theta and eps
     return DrafterConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -71,8 +71,8 @@ def small_config():
 
 def make_drafter(cfg, seed: int):
     """A random drafter whose norms are not all ones (so a missing or misplaced norm shows)."""
-    from train.drafter import Eagle3Drafter
-    from train.vocab import build_vocab_mapping
+    from core.drafter.modeling import Eagle3Drafter
+    from core.drafter.vocab import build_vocab_mapping
 
     torch.manual_seed(seed)
     d = Eagle3Drafter(cfg)
@@ -158,9 +158,10 @@ def compare_case(case: Case, work: Path, sf_python: str, tools: Path, interop: b
     """(problems, observed known-issue ids) of one case."""
     from safetensors.torch import load_file, save_file
 
-    from train.checkpoint import write_drafter_folder
-    from train.drafter import Eagle3Drafter
-    from train.ttt import soft_cross_entropy, teacher_from_topk, ttt_forward
+    from core.drafter.folder import write_drafter_folder
+    from core.drafter.modeling import Eagle3Drafter
+    from core.teacher_targets import teacher_from_topk
+    from train.ttt import soft_cross_entropy, ttt_forward
 
     cfg = small_config()
     seed = sum(map(ord, case.name))
@@ -214,7 +215,7 @@ def compare_case(case: Case, work: Path, sf_python: str, tools: Path, interop: b
         for k in range(K):
             target_p = torch.zeros(case.batch, case.seq, cfg.draft_vocab_size)
             target_p[:, : case.seq - 1 - k] = teacher.target_p[:, 1 + k:]
-            ce = soft_cross_entropy(out.logits[k], target_p)
+            ce = soft_cross_entropy(out.logits[k], target_p)[0]
             sf_mask = specforge_position_mask(lm, real, teacher.target_ids, drafter.t2d, k)
             if not torch.equal(sf_mask.float(), ref["ttt_position_mask"][k].float()):
                 n = int((sf_mask.float() != ref["ttt_position_mask"][k].float()).sum())

@@ -103,8 +103,8 @@ def make_warm(work: Path, shared_tools: Path) -> None:
 
 def kimi_state(cfg, seed: int = 0) -> dict[str, torch.Tensor]:
     """Random serving weights of ``cfg`` in bf16, one tensor at a time (never an fp32 copy of the model)."""
-    from train.serving_format import expected_tensors
-    from train.vocab import build_vocab_mapping
+    from core.drafter.serving_format import expected_tensors
+    from core.drafter.vocab import build_vocab_mapping
 
     g = torch.Generator().manual_seed(seed)
     state: dict[str, torch.Tensor] = {}
@@ -123,8 +123,8 @@ def kimi_state(cfg, seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def make_kimi(work: Path) -> None:
-    from train.checkpoint import write_drafter_folder
-    from train.drafter import DrafterConfig
+    from core.drafter.config import DrafterConfig
+    from core.drafter.folder import write_drafter_folder
 
     cfg = DrafterConfig(**KIMI)
     ckpt = work / "runs" / "kimi"

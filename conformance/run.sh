@@ -10,8 +10,8 @@
 #   3. engines   engine_load_check.py on every export + aux-id capture rules + broken exports refused
 #   4. product   `python -m eval.export --verify-with sglang` inside the engine venv (item 4's path)
 #   5. specforge our logits/losses vs specforge_reference.py
-# Skips (exit 0, loudly) only when the package registries are unreachable AND the venvs are not
-# already built; every other failure fails the lane.
+# The lane never passes without running: when the venvs cannot be built (registries unreachable) it
+# fails (exit 1) and says why. REDRAFT_SKIP_CONFORMANCE=1, set on purpose, skips it (exit 0, loudly).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -61,11 +61,16 @@ registry_reachable() {  # a quick index query per package the venvs need, with a
         timeout 30 python3 -m pip index versions --timeout 10 --retries 1 "$pkg" >/dev/null 2>&1 || return 1
     done
 }
-if ! registry_reachable && ! venvs_ready; then  # the probe takes seconds; importing the engines, ~20 s
-    loud "CONFORMANCE LANE SKIPPED: the package registries are unreachable (pip index versions" \
-         "sglang/vllm/specforge failed within 30 s) and the venvs under $VENVS are not built." \
+if [ "${REDRAFT_SKIP_CONFORMANCE:-0}" = 1 ]; then
+    loud "CONFORMANCE LANE SKIPPED on purpose (REDRAFT_SKIP_CONFORMANCE=1)." \
          "Nothing about the exports or the numerics was checked."
     exit 0
+fi
+if ! venvs_ready && ! registry_reachable; then  # importing the engines takes ~20 s; the probe, seconds
+    loud "CONFORMANCE LANE FAILED: it cannot run. The package registries are unreachable (pip index versions" \
+         "sglang/vllm/specforge failed within 30 s) and the venvs under $VENVS are not built." \
+         "Build them where the registries are reachable, or set REDRAFT_SKIP_CONFORMANCE=1 to skip on purpose."
+    exit 1
 fi
 mkdir -p "$VENVS" "$WORK"
 build_venv() {  # build_venv SCRIPT DIR: pip's chatter goes to a log, printed only when the build fails

@@ -40,14 +40,19 @@ import torch
 if __package__ in (None, ""):  # run as a script path: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from core.atomic import atomic_write_text  # noqa: E402
+from core.batching import pack_batches  # noqa: E402
+from core.config import ConfigError, parse_args_with_config  # noqa: E402
+from core.dataset.batch import collate  # noqa: E402
+from core.dataset.reader import DatasetReader  # noqa: E402
+from core.drafter.folder import CheckpointError, load_drafter_checkpoint, read_record, resolve_drafter_folder  # noqa: E402
+from core.drafter.modeling import Eagle3Drafter  # noqa: E402
+from core.plotting import atomic_write_png, pyplot  # noqa: E402
+from core.target_weights import read_target_tensor, weight_key_candidates  # noqa: E402
+from core.teacher_targets import teacher_from_last_hidden, teacher_from_topk, topk_argmax  # noqa: E402
 from eval import simulate as sim  # noqa: E402
-from extract.atomic import atomic_write_png, atomic_write_text  # noqa: E402
-from extract.config import ConfigError, parse_args_with_config  # noqa: E402
-from extract.pipeline import pack_batches  # noqa: E402
 
 log = logging.getLogger(__name__)
-
-RECORD = "redraft.json"
 
 
 class AcceptanceError(ValueError):
@@ -58,30 +63,11 @@ class AcceptanceError(ValueError):
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A drafter folder: ``path`` itself, or the step named by a run folder's ``latest`` (else its newest step-*)."""
-    p = Path(path)
-    if (p / "model.safetensors").is_file():
-        return p
-    latest = p / "latest"
-    if latest.is_file():
-        name = latest.read_text().strip()
-        if (p / name / "model.safetensors").is_file():
-            return p / name
-        raise AcceptanceError(f"{latest}: names {name!r}, which has no model.safetensors")
-    steps = sorted(q for q in p.glob("step-*") if (q / "model.safetensors").is_file()) if p.is_dir() else []
-    if steps:
-        return steps[-1]
-    raise AcceptanceError(f"{p}: not a drafter folder (no model.safetensors) nor a run folder (no 'latest', no step-*)")
-
-
-def read_record(folder: Path) -> dict[str, Any] | None:
-    path = folder / RECORD
-    if not path.is_file():
-        return None
+    """A drafter folder: ``path`` itself, or a run folder's ``latest`` step (else its newest step-*)."""
     try:
-        return json.loads(path.read_text())
-    except ValueError as e:
-        raise AcceptanceError(f"{path}: not valid JSON: {e}") from e
+        return resolve_drafter_folder(path)
+    except CheckpointError as e:
+        raise AcceptanceError(str(e)) from e
 
 
 def check_fits(cfg: Any, manifest: dict[str, Any], num_aux: int, source: str, data: str) -> None:
@@ -121,8 +107,6 @@ def _target_folder(manifest: dict[str, Any], target: str | Path | None, data: st
 
 def _key_candidates(manifest: dict[str, Any], target: Path, which: str) -> list[str]:
     """Embedding (which='embed') or lm_head keys: the manifest's recorded key first, then the usual names."""
-    from extract.layers import weight_key_candidates
-
     tinfo = manifest.get("target") or {}
     keys = [tinfo[f"{which}_key"]] if tinfo.get(f"{which}_key") else []
     cfg_file = target / "config.json"
@@ -133,8 +117,6 @@ def _key_candidates(manifest: dict[str, Any], target: Path, which: str) -> list[
 
 
 def _load_checked(folder: Path, reader: Any) -> tuple[Any, dict[str, torch.Tensor]]:
-    from train.checkpoint import CheckpointError, load_drafter_checkpoint
-
     manifest = reader.manifest
     tinfo = manifest.get("target") or {}
     try:
@@ -161,8 +143,6 @@ def load_drafter(
     dtype: torch.dtype = torch.float32,
 ) -> tuple[Any, Path, dict[str, Any] | None]:
     """(drafter with the target embedding, resolved folder, redraft record or None) checked against the data."""
-    from train.drafter import Eagle3Drafter
-
     folder = resolve_checkpoint(checkpoint)
     manifest = reader.manifest
     cfg, state = _load_checked(folder, reader)
@@ -229,16 +209,13 @@ def teacher_for_batch(
     batch: Any, drafter: Any, kind: str, temperature: float, lm_head: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(argmax [B, T] full vocab, teacher prob on the draft vocab at temperature T [B, T, Vd] or None at T=0)."""
-    from train.ttt import teacher_from_last_hidden, teacher_from_topk
-
     if kind == "topk":
         ids, lp = batch.topk_ids, batch.topk_logprobs.float()
-        valid = (ids >= 0) & (ids < drafter.config.vocab_size)
-        lp = lp.masked_fill(~valid, float("-inf"))
-        argmax = ids.gather(-1, lp.argmax(-1, keepdim=True)).squeeze(-1)
+        argmax = topk_argmax(ids, lp, drafter.config.vocab_size)
         if temperature <= 0:
             return argmax, None
-        lp_t = torch.log_softmax(lp / temperature, dim=-1)  # truncated to the stored top-k
+        valid = (ids >= 0) & (ids < drafter.config.vocab_size)
+        lp_t = torch.log_softmax(lp.masked_fill(~valid, float("-inf")) / temperature, dim=-1)  # truncated to the top-k
         return argmax, teacher_from_topk(ids, lp_t, drafter.t2d, drafter.d2t).p_on_draft
     if lm_head is None:
         raise AcceptanceError("teacher 'last_hidden' needs the target's lm_head")
@@ -257,8 +234,6 @@ def _teacher_kind(reader: Any, wanted: str) -> str:
 
 
 def _read_lm_head(manifest: dict[str, Any], target: Path, device: str) -> torch.Tensor:
-    from train.drafter import read_target_tensor
-
     weight, _ = read_target_tensor(target, _key_candidates(manifest, target, "lm_head"))
     return weight.to(device=device, dtype=torch.float32)
 
@@ -340,8 +315,6 @@ def evaluate_drafter(
 ) -> dict[str, Any]:
     """Simulate ``drafter`` on the samples ``indices`` of ``reader``; returns the metrics dict."""
     from tqdm import tqdm
-
-    from train.data import collate
 
     settings.check()
     kind = _teacher_kind(reader, settings.teacher)
@@ -505,7 +478,7 @@ def _rows(results: dict[str, dict[str, Any]]) -> list[tuple[str, list[str]]]:
     if first["tree"]:
         add(f"chain tau (K={k_steps})", lambda r: f"{r['chain_tau']:.3f}")
     for k in range(k_steps):
-        add(f"accept rate draft {k + 1}", lambda r, k=k: f"{r['accept_rate'][k]:.3f}")
+        add(f"P(accept) draft {k + 1}", lambda r, k=k: f"{r['accept_rate'][k]:.3f}")
     for j in range(1, k_steps + 1):
         add(f"tau chain length {j}", lambda r, j=j: f"{r['tau_per_chain_length'][str(j)]:.3f}")
     for g in ("source", "category"):
@@ -551,10 +524,7 @@ def format_markdown(results: dict[str, dict[str, Any]]) -> str:
 
 def write_plot(results: dict[str, dict[str, Any]], path: str | Path) -> None:
     """Two panels: acceptance rate per draft position, and tau against chain length; checkpoints side by side."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     for name, r in results.items():
@@ -613,8 +583,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    from extract.store import DatasetReader
-
     args = parse_args_with_config(build_parser(), argv)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

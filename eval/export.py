@@ -2,7 +2,7 @@
 
 CKPT is a redraft step folder, a run folder (its ``latest`` is followed), or a foreign SGLang /
 SpecForge drafter folder (config.json + model.safetensors), which is imported. OUT gets
-``config.json`` (the engine's layer-id convention, see ``train.serving_format``),
+``config.json`` (the engine's layer-id convention, see ``core.drafter.serving_format``),
 ``model.safetensors`` with exactly the serving table's keys, ``redraft.json`` (provenance and
 the DrafterConfig, so ``train --init-from`` and ``eval.acceptance`` read OUT back exactly) and
 a short ``README.md``. The weights are checked against the table *before* anything is written,
@@ -33,18 +33,27 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from extract.config import ConfigError, parse_args_with_config
-from extract.layers import to_engine_layer_ids, weight_key_candidates
-from train.checkpoint import LATEST, REDRAFT_RECORD, STEP_RE, CheckpointError, load_drafter_checkpoint
-from train.drafter import EMBED_KEY, DrafterConfig, Eagle3Drafter
-from train.serving_format import (
-    FORMATS,
+from core.config import ConfigError, parse_args_with_config
+from core.drafter.config import DrafterConfig
+from core.drafter.folder import (
+    REDRAFT_RECORD,
     WEIGHTS_NAME,
+    CheckpointError,
+    load_drafter_checkpoint,
+    read_record,
+    resolve_drafter_folder,
+)
+from core.drafter.modeling import Eagle3Drafter
+from core.drafter.serving_format import (
+    EMBED_KEY,
+    FORMATS,
     ServingFormatError,
     check_serving_state,
     serving_config,
     torch_dtype_of,
 )
+from core.layers import to_engine_layer_ids
+from core.target_weights import weight_key_candidates
 
 log = logging.getLogger(__name__)
 
@@ -164,22 +173,10 @@ class ExportResult:
 
 def resolve_checkpoint(path: str | Path) -> Path:
     """The drafter folder CKPT names: itself, ``CKPT/latest``'s step folder, or the newest ``step-*``."""
-    folder = Path(path)
-    if (folder / WEIGHTS_NAME).is_file():
-        return folder
-    if not folder.is_dir():
-        raise ExportError(f"{folder}: no such folder")
-    latest = folder / LATEST
-    if latest.is_file():
-        name = latest.read_text().strip()
-        if (folder / name / WEIGHTS_NAME).is_file():
-            return folder / name
-        raise ExportError(f"{latest} names {name!r}, which has no {WEIGHTS_NAME}")
-    steps = sorted((int(m.group(1)), p) for p in folder.iterdir()
-                   if (m := STEP_RE.match(p.name)) and (p / WEIGHTS_NAME).is_file())
-    if steps:
-        return steps[-1][1]
-    raise ExportError(f"{folder}: not a drafter folder (no {WEIGHTS_NAME}), and no {LATEST} or step-* inside")
+    try:
+        return resolve_drafter_folder(path)
+    except CheckpointError as e:
+        raise ExportError(str(e)) from e
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -213,7 +210,7 @@ def _from_record(record: Mapping[str, Any]) -> tuple[str | None, str | None]:
     embed_key = record.get("embed_key")
     data = (record.get("dataset") or {}).get("path")
     if data:
-        from extract.store import DatasetError, load_manifest
+        from core.dataset.format import DatasetError, load_manifest
 
         try:
             target = load_manifest(Path(data)).get("target") or {}
@@ -296,10 +293,10 @@ def _install(tmp: Path, out: Path) -> None:
 # ----------------------------------------------------------------------------- export
 
 
-def _load_source(ecfg: ExportConfig, source: Path, target: Path | None) -> tuple[DrafterConfig, dict, dict]:
-    """(DrafterConfig, weights, source record) of our checkpoint or an imported foreign folder."""
-    record_path = source / REDRAFT_RECORD
-    record = _read_json(record_path) if record_path.is_file() else {}
+def _load_source(
+    ecfg: ExportConfig, source: Path, target: Path | None, record: Mapping[str, Any]
+) -> tuple[DrafterConfig, dict]:
+    """(DrafterConfig, weights) of our checkpoint (``record``: its redraft.json) or of a foreign folder ({})."""
     arch, layers = ecfg.target_architecture, ecfg.target_num_layers
     if not record:
         facts = _target_facts(target)
@@ -314,7 +311,7 @@ def _load_source(ecfg: ExportConfig, source: Path, target: Path | None) -> tuple
         cfg, state = load_drafter_checkpoint(source, target_architecture=arch, target_num_layers=layers)
     except CheckpointError as e:
         raise ExportError(str(e)) from e
-    return cfg, state, record
+    return cfg, state
 
 
 def export_checkpoint(ecfg: ExportConfig) -> ExportResult:
@@ -326,13 +323,16 @@ def export_checkpoint(ecfg: ExportConfig) -> ExportResult:
     out = Path(ecfg.out)
     _check_out(out, source, ecfg.force)
 
-    record_path = source / REDRAFT_RECORD
-    rec_target, embed_key = _from_record(_read_json(record_path)) if record_path.is_file() else (None, None)
+    try:
+        record = read_record(source) or {}
+    except CheckpointError as e:
+        raise ExportError(str(e)) from e
+    rec_target, embed_key = _from_record(record) if record else (None, None)
     target_str = ecfg.target or rec_target
     target = Path(target_str) if target_str and Path(target_str).is_dir() else None
     if target_str and target is None:
         log.warning("target folder %s is not present here; it is named in the command only", target_str)
-    cfg, state, record = _load_source(ecfg, source, target)
+    cfg, state = _load_source(ecfg, source, target, record)
 
     dtype_name = DTYPES[ecfg.dtype] if ecfg.dtype else cfg.torch_dtype
     dtype = torch_dtype_of(dtype_name)

@@ -38,6 +38,7 @@ from typing import Any
 
 import aiohttp
 
+from core.config import parse_hyphenated
 from eval.serving_report import (
     RequestResult,
     build_report,
@@ -128,7 +129,7 @@ def load_prompts(path: str | None, num: int) -> tuple[list[str], str]:
     OpenAI ``messages`` or ShareGPT ``conversations``; a ``.txt`` file holds one prompt per line.
     """
     if path is None:
-        from extract.embedded import resolve_data
+        from core.embedded import resolve_data
 
         src = Path(resolve_data("mtbench"))
     else:
@@ -577,7 +578,7 @@ def write_outputs(report: dict[str, Any], cfg: ServingConfig) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_hyphenated(build_parser(), argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

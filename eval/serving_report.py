@@ -21,7 +21,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from extract.atomic import atomic_write_bytes, atomic_write_png
+from core.atomic import atomic_write_bytes
+from core.plotting import atomic_write_png, pyplot
 
 PERCENTILES = (50, 90, 99)
 SCHEMA = "redraft.serving/1"
@@ -331,10 +332,7 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
 
 def write_plot(report: dict[str, Any], path: Path) -> None:
     """Aggregate and per-stream tokens/s against concurrency (log2 x axis), one line per server."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for role, server in report["servers"].items():

@@ -5,7 +5,7 @@ Alignment (docs/design.md): a *drafting position* ``p`` is a position whose next
 is something to draft. Step 0 reads ``fc(aux[p])`` and token ``x[p+1]`` at RoPE position ``p``;
 step ``k >= 1`` reads the step ``k-1`` output (pre-norm h2) and the drafter's OWN previous draft
 token at RoPE position ``p + k``. Attention is the prefix (step-0 keys at positions ``<= p``) plus
-the keys of the drafts made so far at this position: exactly :class:`train.drafter.TTTCache`'s
+the keys of the drafts made so far at this position: exactly :class:`core.drafter.ttt_attention.TTTCache`'s
 pattern, so the chain runs on :meth:`Eagle3Drafter.step` unchanged, batched over every position.
 
 Verification (greedy): draft ``k`` (a draft id mapped through ``d2t``) is accepted iff every
@@ -43,7 +43,9 @@ from dataclasses import dataclass
 
 import torch
 
-from train.drafter import Eagle3Drafter, TTTCache
+from core.alignment import shift_left
+from core.drafter.modeling import Eagle3Drafter
+from core.drafter.ttt_attention import TTTCache
 
 # reasons a chain stopped, per position
 FULL, MISS, END, OFF_PATH = 0, 1, 2, 3
@@ -84,18 +86,10 @@ class Step0:
     attention_mask: torch.Tensor  # [B, T] bool
 
 
-def _shift_left(x: torch.Tensor, s: int, fill: int | float | bool = 0) -> torch.Tensor:
-    """x[:, s:] followed by s ``fill`` columns (dim 1)."""
-    if s == 0:
-        return x
-    pad = torch.full((x.shape[0], min(s, x.shape[1]), *x.shape[2:]), fill, dtype=x.dtype, device=x.device)
-    return torch.cat((x[:, s:], pad), dim=1)
-
-
 def drafting_positions(loss_mask: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """bool [B, T]: p such that tokens p+1 and p+2 exist and are assistant tokens."""
     ok = loss_mask.to(torch.bool) & attention_mask.to(torch.bool)
-    return _shift_left(ok, 1, False) & _shift_left(ok, 2, False)
+    return shift_left(ok, 1, False) & shift_left(ok, 2, False)
 
 
 def evaluable(
@@ -112,11 +106,11 @@ def evaluable(
     tgt = target_ids.to(torch.int64)
     end_k, path_k = [], []
     for k in range(steps):
-        end_k.append(_shift_left(ok, 2 + k, False))
+        end_k.append(shift_left(ok, 2 + k, False))
         if k == 0:
             path_k.append(torch.ones_like(ok))
         else:  # data token p+1+k equals argmax row p+k
-            path_k.append(_shift_left(ids, 1 + k, -1) == _shift_left(tgt, k, -2))
+            path_k.append(shift_left(ids, 1 + k, -1) == shift_left(tgt, k, -2))
     end_ok = torch.stack(end_k, -1).cummin(-1).values
     path_ok = torch.stack(path_k, -1).cummin(-1).values
     return end_ok, path_ok
@@ -146,7 +140,7 @@ def score_chain(
 
 def rows_for_steps(x: torch.Tensor, steps: int, fill: int | float = -1) -> torch.Tensor:
     """[B, T, K] with [..., k] = x row t+1+k (``fill`` past the end)."""
-    return torch.stack([_shift_left(x, 1 + k, fill) for k in range(steps)], -1)
+    return torch.stack([shift_left(x, 1 + k, fill) for k in range(steps)], -1)
 
 
 def run_step0(
@@ -159,7 +153,7 @@ def run_step0(
     pos = torch.arange(seq, device=ids.device).expand(bsz, seq)
     cache = TTTCache()
     hidden = drafter.project(aux_hidden)
-    hidden = drafter.step(_shift_left(ids, 1), hidden, pos, cache, mask)
+    hidden = drafter(shift_left(ids, 1), hidden, pos, cache, mask)
     return Step0(cache=cache, hidden=hidden, logits=drafter.compute_logits(hidden), attention_mask=mask)
 
 
@@ -192,7 +186,7 @@ def simulate_chain_greedy(
     hidden = s0.hidden
     drafts = [tok]
     for k in range(1, steps):
-        hidden = drafter.step(tok, hidden, pos + k, cache, s0.attention_mask)
+        hidden = drafter(tok, hidden, pos + k, cache, s0.attention_mask)
         d = drafter.compute_logits(hidden).argmax(-1)
         tok = drafter.draft_to_target(d)
         drafts.append(tok)
@@ -235,9 +229,9 @@ def simulate_chain_sampled(
     end_ok, _ = evaluable(input_ids, loss_mask, attention_mask, torch.zeros_like(ids), steps)
     alphas = []
     for k in range(steps):
-        hidden = drafter.step(_shift_left(ids, 1 + k), hidden, pos + k, cache, mask)
+        hidden = drafter(shift_left(ids, 1 + k), hidden, pos + k, cache, mask)
         q = torch.softmax(drafter.compute_logits(hidden).float() / temperature, dim=-1)
-        p = _shift_left(teacher_p.float(), 1 + k, 0.0)
+        p = shift_left(teacher_p.float(), 1 + k, 0.0)
         alphas.append(torch.minimum(p, q).sum(-1))
     alpha = torch.stack(alphas, -1) * end_ok.to(torch.float32)  # [B, T, K]
     where = drafting_positions(loss_mask, attention_mask)

@@ -5,7 +5,7 @@ sglang``) builds the engine's own EAGLE-3 draft model (SGLang ``LlamaForCausalLM
 vLLM ``Eagle3LlamaForCausalLM``) on CPU and runs the engine's own ``load_weights``. Why: SGLang
 skips weight names it does not know and leaves the parameter as uninitialised memory, vLLM
 rejects ``model.``-prefixed names, and a missing ``d2t`` makes both use draft ids as target ids;
-none of that raises at serve time. Our own table (``train.serving_format``) is only as right as
+none of that raises at serve time. Our own table (``core.drafter.serving_format``) is only as right as
 our reading of the engines, so this runs the engines' code:
 
 - every parameter is filled with a sentinel (NaN, ``iinfo.min``) before loading; any still holding
@@ -38,6 +38,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from core.config import parse_hyphenated
+from core.drafter.folder import WEIGHTS_NAME
 
 log = logging.getLogger(__name__)
 
@@ -342,7 +345,7 @@ def verify_export(folder: str | Path, engine: str, *, context_length: int | None
     folder = str(Path(folder).resolve())
     config = json.loads(Path(folder, "config.json").read_text())
     rep = VerifyReport(engine=engine, folder=folder)
-    with safe_open(str(Path(folder, "model.safetensors")), framework="pt") as f:
+    with safe_open(str(Path(folder, WEIGHTS_NAME)), framework="pt") as f:
         ckpt = {k: f.get_tensor(k) for k in f.keys()}
     rep.keys = len(ckpt)
     eng: Any = (_SGLang if engine == "sglang" else _VLLM)(folder, config, context_length)
@@ -396,7 +399,7 @@ def verify_export(folder: str | Path, engine: str, *, context_length: int | None
     return rep
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m eval.verify_engine",
                                 description="Load an exported drafter folder with the serving engine installed "
                                             "here and report parameters left unwritten and keys ignored.")
@@ -405,7 +408,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context-length", type=int, metavar="N",
                    help="behave like a target with this context (SGLang refuses a shorter drafter)")
     p.add_argument("--verbose", action="store_true", help="show the engine's own output")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_hyphenated(build_parser(), argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     return run_verification(a.folder, a.engine, context_length=a.context_length, verbose=a.verbose)
 

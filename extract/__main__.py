@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 import sys
 
-from extract.config import ConfigError, parse_args
+from core.config import ConfigError
+from extract.config import parse_args
 from extract.records import BadRecordError
 
 log = logging.getLogger("extract")

@@ -10,16 +10,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-
-class ConfigError(ValueError):
-    """A bad option value or an unknown key; the message names the key and the file."""
+from core.config import ConfigError, hyphenate_flags, read_yaml_mapping
 
 
 def _opt(default: Any, help: str, **kw: Any) -> Any:
@@ -151,19 +148,6 @@ def _coerce(name: str, value: Any, typ: Any, where: str) -> Any:
         raise ConfigError(f"{where}: key {name!r}: {e}") from None
 
 
-def read_yaml_mapping(path: Path) -> dict[str, Any]:
-    """A YAML file of option: value pairs; errors name the file."""
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: config file not found") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: expected a mapping of option: value")
-    return raw
-
-
 def load_yaml(path: str | Path) -> dict[str, Any]:
     """Read a YAML config; unknown keys are an error naming the key and the file."""
     path = Path(path)
@@ -208,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str] | None = None) -> ExtractConfig:
     """CLI flags over an optional YAML file over the defaults."""
-    args = vars(build_parser().parse_args(argv))
+    args = vars(build_parser().parse_args(hyphenate_flags(sys.argv[1:] if argv is None else argv)))
     values: dict[str, Any] = {}
     config_path = args.pop("config", None)
     if config_path:
@@ -217,34 +201,3 @@ def parse_args(argv: list[str] | None = None) -> ExtractConfig:
     for name, value in args.items():
         values[name] = _coerce(name, value, _field_type(known[name]), "command line")
     return ExtractConfig(**values).validate()
-
-
-def parse_args_with_config(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
-    """argparse plus `--config FILE.yaml`: the file's keys are the options' names, flags override it.
-
-    Used by the eval/export command lines so a cluster's settings live in configs/ like the
-    extract and train ones; an unknown key is refused naming the key and the file.
-    """
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--config")
-    known, _ = pre.parse_known_args(argv)
-    if known.config:
-        path = Path(known.config)
-        raw = read_yaml_mapping(path)
-        actions = {a.dest: a for a in parser._actions if a.option_strings and a.dest not in ("help", "config")}
-        values = {}
-        for key, value in raw.items():
-            name = str(key).replace("-", "_")
-            if name not in actions:
-                raise ConfigError(f"{path}: unknown key {key!r} (known: {', '.join(sorted(actions))})")
-            action = actions[name]
-            if action.type is not None and value is not None and not isinstance(value, bool):
-                value = action.type(value)
-            if action.choices is not None and value not in action.choices:
-                raise ConfigError(f"{path}: key {key!r}: expected one of {list(action.choices)}, got {value!r}")
-            action.required = False
-            values[name] = value
-        parser.set_defaults(**values)
-    if not any(a.dest == "config" for a in parser._actions):
-        parser.add_argument("--config", help="YAML file whose keys are these options' names; flags override it.")
-    return parser.parse_args(argv)

@@ -25,23 +25,23 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from extract.atomic import atomic_write_text
-from extract.backends.base import GenerationConfig, TargetBackend, TeacherSpec
-from extract.chat import TokenizedSample, chat_template_hash, tokenize_conversation, tokenizer_hash
-from extract.config import ConfigError, ExtractConfig
-from extract.embedded import resolve_data, resolve_target
-from extract.records import Record, read_records, write_records_jsonl
-from extract.regenerate import regenerate_records
-from extract.store import (
+from core.atomic import atomic_write_text
+from core.batching import pack_batches
+from core.config import ConfigError
+from core.dataset.format import (
     MANIFEST_NAME,
     SampleFeatures,
     dataset_header,
     features_are_finite,
-    finalize_dataset,
-    read_shard_info,
     shard_relpath,
-    write_shard,
 )
+from core.dataset.writer import finalize_dataset, read_shard_info, write_shard
+from core.embedded import resolve_data, resolve_target
+from extract.backends.base import GenerationConfig, TargetBackend, TeacherSpec
+from extract.chat import TokenizedSample, chat_template_hash, tokenize_conversation, tokenizer_hash
+from extract.config import ExtractConfig
+from extract.records import Record, read_records, write_records_jsonl
+from extract.regenerate import regenerate_records
 
 log = logging.getLogger(__name__)
 
@@ -188,25 +188,6 @@ def make_header(cfg: ExtractConfig, backend: TargetBackend, parse_skipped: Count
         backend=cfg.backend, generation=_generation(cfg).to_manifest() if cfg.regenerate else None,
         regenerated=REGEN_NAME if cfg.regenerate else None, skipped=parse_skipped,
     )
-
-
-def pack_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
-    """Group sample indices, longest first, so each batch's padded size stays under batch_tokens.
-
-    The order is a pure function of the lengths, which keeps reruns byte-identical.
-    """
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    batches: list[list[int]] = []
-    current: list[int] = []
-    for i in order:
-        longest = lengths[current[0]] if current else lengths[i]
-        if current and longest * (len(current) + 1) > batch_tokens:
-            batches.append(current)
-            current = []
-        current.append(i)
-    if current:
-        batches.append(current)
-    return batches
 
 
 def _regenerated_shard(

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from extract.atomic import atomic_open
+from core.atomic import atomic_open
 
 logger = logging.getLogger(__name__)
 

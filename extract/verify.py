@@ -18,19 +18,19 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
-from extract.store import (
+from core.config import parse_hyphenated
+from core.dataset.format import (
     COUNTS_NAME,
     MANIFEST_NAME,
     DatasetError,
     ShardHeader,
-    count_tokens,
-    dequantize_fp8,
     load_manifest,
     read_shard_header,
     resolve_inside,
     sha256_file,
-    shard_loss_tokens,
 )
+from core.dataset.fp8 import dequantize_fp8
+from core.dataset.writer import count_tokens, shard_loss_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -183,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_hyphenated(build_parser(), argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     root = Path(args.dir)
     if not root.is_dir():

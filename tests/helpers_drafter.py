@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from train.drafter import DrafterConfig, Eagle3Drafter
-from train.vocab import build_vocab_mapping
+from core.drafter.config import DrafterConfig
+from core.drafter.modeling import Eagle3Drafter
+from core.drafter.vocab import build_vocab_mapping
 
 # The serving key set, written out by hand (not derived from the code under test): what SGLang/SpecForge
 # drafter folders hold, without the embedding.

@@ -13,7 +13,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from extract.embedded import CACHE_ENV, resolve_target
+from core.embedded import CACHE_ENV, resolve_target
 
 SMOLLM2 = "smollm2-135m-instruct"
 _CONVERTED: dict[str, Path] = {}

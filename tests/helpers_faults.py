@@ -229,7 +229,7 @@ def partial_files_at_final_names(root: Path) -> list[str]:
     """Files at a final (non-hidden) name that do not parse: there must never be any."""
     from safetensors.torch import load_file
 
-    from extract.store import DatasetError, read_shard_header
+    from core.dataset.format import DatasetError, read_shard_header
     from extract.verify import verify_dataset
 
     bad = []

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from extract.store import SampleFeatures, dataset_header, finalize_dataset, write_shard
+from core.dataset.format import SampleFeatures, dataset_header
+from core.dataset.writer import finalize_dataset, write_shard
 
 HIDDEN = 64  # tiny_llama_config's hidden size
 NUM_LAYERS = 6

@@ -16,14 +16,16 @@ import torch
 from conformance import check_engines as ce
 from conformance import check_specforge as cs
 from conformance.make_drafters import KIMI, kimi_state
+from core.drafter.config import DrafterConfig
+from core.drafter.folder import write_drafter_folder
+from core.drafter.modeling import Eagle3Drafter
+from core.drafter.serving_format import check_serving_state, serving_config
+from core.drafter.vocab import build_vocab_mapping
+from core.teacher_targets import teacher_from_topk
 from eval import verify_engine as ve
 from eval.export import ExportConfig, export_checkpoint
 from eval.export import main as export_main
-from train.checkpoint import write_drafter_folder
-from train.drafter import DrafterConfig, Eagle3Drafter
-from train.serving_format import check_serving_state, serving_config
-from train.ttt import teacher_from_topk, ttt_forward
-from train.vocab import build_vocab_mapping
+from train.ttt import ttt_forward
 
 PEER_OUTPUT = """\
   IGNORED      midlayer.mlp.upp_proj.weight            (128, 64)  sglang's load_weights matched no parameter
@@ -112,7 +114,7 @@ def test_capture_rule_refuses_unknown_architecture():
 @pytest.mark.parametrize("arch,layers,ids", [("LlamaForCausalLM", 30, (1, 14, 26)),
                                              ("KimiK25ForConditionalGeneration", 61, (1, 29, 57))])
 def test_exports_capture_the_trained_layers_in_both_engines(tmp_path, arch, layers, ids):
-    """extract.layers' conversion (used by the export) agrees with the independently written engine rules."""
+    """core.layers' conversion (used by the export) agrees with the independently written engine rules."""
     ckpt = tiny_checkpoint(tmp_path / "ckpt", tiny_cfg(arch, layers, ids))
     for fmt in ("sglang", "vllm"):
         out = export(ckpt, tmp_path / fmt, fmt)
@@ -266,27 +268,41 @@ def test_verify_engine_refuses_unknown_engine():
 RUN_SH = Path(__file__).resolve().parents[1] / "conformance" / "run.sh"
 
 
-def _run_lane(tmp_path: Path, tools: Path, fake_pip_rc: int) -> subprocess.CompletedProcess:
+def _run_lane(tmp_path: Path, tools: Path, fake_pip_rc: int, **extra_env: str) -> subprocess.CompletedProcess:
     """run.sh with empty venv folders and a python3 on PATH whose `pip index` exits ``fake_pip_rc``."""
     fake_bin = tmp_path / "bin"
     fake_bin.mkdir()
     (fake_bin / "python3").write_text(f"#!/bin/sh\nexit {fake_pip_rc}\n")
     (fake_bin / "python3").chmod(0o755)
-    env = {**os.environ, "PATH": f"{fake_bin}:{os.environ['PATH']}", "REDRAFT_SHARED_TOOLS": str(tools),
-           "CONFORMANCE_VENVS": str(tmp_path / "venvs"), "CONFORMANCE_WORK": str(tmp_path / "work"),
-           "PYTHON": sys.executable}
+    env = {k: v for k, v in os.environ.items() if k != "REDRAFT_SKIP_CONFORMANCE"}
+    env.update(PATH=f"{fake_bin}:{os.environ['PATH']}", REDRAFT_SHARED_TOOLS=str(tools),
+               CONFORMANCE_VENVS=str(tmp_path / "venvs"), CONFORMANCE_WORK=str(tmp_path / "work"),
+               PYTHON=sys.executable, **extra_env)
     return subprocess.run(["bash", str(RUN_SH)], env=env, capture_output=True, text=True, timeout=60)
 
 
-def test_lane_skips_loudly_when_registries_are_unreachable(tmp_path):
+def _fake_tools(tmp_path: Path) -> Path:
     tools = tmp_path / "tools"
     tools.mkdir()
     for name in ("engine_load_check.py", "specforge_reference.py"):
         (tools / name).write_text("")
-    proc = _run_lane(tmp_path, tools, fake_pip_rc=1)
-    assert proc.returncode == 0, proc.stderr
-    assert "CONFORMANCE LANE SKIPPED: the package registries are unreachable" in proc.stdout
+    return tools
+
+
+def test_lane_fails_loudly_when_it_cannot_run(tmp_path):
+    """Registries unreachable and no venvs: the lane cannot check anything, so CI must go red."""
+    proc = _run_lane(tmp_path, _fake_tools(tmp_path), fake_pip_rc=1)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "CONFORMANCE LANE FAILED: it cannot run" in proc.stdout
+    assert "REDRAFT_SKIP_CONFORMANCE=1" in proc.stdout
     assert not (tmp_path / "venvs").exists()  # nothing was built
+
+
+def test_lane_skips_only_when_asked_to(tmp_path):
+    proc = _run_lane(tmp_path, _fake_tools(tmp_path), fake_pip_rc=1, REDRAFT_SKIP_CONFORMANCE="1")
+    assert proc.returncode == 0, proc.stderr
+    assert "CONFORMANCE LANE SKIPPED on purpose" in proc.stdout
+    assert not (tmp_path / "venvs").exists()
 
 
 def test_lane_fails_clearly_without_shared_tools(tmp_path):

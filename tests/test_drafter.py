@@ -9,10 +9,11 @@ import torch
 from helpers_drafter import SERVING_KEYS, tiny_config, tiny_drafter
 from safetensors.torch import save_file
 
-from train.drafter import DrafterConfig, Eagle3Drafter, RMSNorm, TTTCache
+from core.drafter.config import DrafterConfig
+from core.drafter.modeling import Eagle3Drafter, RMSNorm
+from core.drafter.ttt_attention import TTTCache
 
 torch.set_num_threads(1)
-
 
 
 def _step0_logits(d: Eagle3Drafter, seed: int = 0) -> torch.Tensor:
@@ -22,7 +23,7 @@ def _step0_logits(d: Eagle3Drafter, seed: int = 0) -> torch.Tensor:
     aux = torch.randn(2, 6, 3 * c.target_hidden_size, generator=g)
     pos = torch.arange(6).expand(2, 6)
     with torch.no_grad():
-        h = d.step(ids, d.project(aux), pos, TTTCache(), None)
+        h = d(ids, d.project(aux), pos, TTTCache(), None)
         return d.compute_logits(h)
 
 
@@ -254,11 +255,11 @@ def test_step_zero_is_causal_and_ignores_padding():
     pos = torch.arange(8)[None]
     mask = torch.tensor([[1, 1, 1, 1, 1, 0, 0, 0]])
     with torch.no_grad():
-        full = d.step(ids, d.project(aux), pos, TTTCache(), mask)
+        full = d(ids, d.project(aux), pos, TTTCache(), mask)
         ids2, aux2 = ids.clone(), aux.clone()
         ids2[0, 5:] = 3
         aux2[0, 5:] = torch.randn(3, aux.shape[-1])  # changing the future / padding must not move earlier positions
-        other = d.step(ids2, d.project(aux2), pos, TTTCache(), mask)
+        other = d(ids2, d.project(aux2), pos, TTTCache(), mask)
     torch.testing.assert_close(full[:, :5], other[:, :5], atol=0, rtol=0)
 
 
@@ -274,7 +275,7 @@ def test_draft_to_target_and_vocab_checks():
 
 def test_custom_ttt_attention_backward_is_exact():
     """The hand-written backward of the TTT attention matches autograd (gradcheck) and the sdpa path."""
-    from train.drafter import TTTCache, _eager_attention, _sdpa_attention
+    from core.drafter.ttt_attention import TTTCache, _eager_attention, _sdpa_attention
 
     torch.manual_seed(0)
     mask = torch.ones(2, 5, dtype=torch.long)

@@ -11,6 +11,16 @@ import torch
 from helpers_drafter import SERVING_KEYS, tiny_config, tiny_drafter
 from safetensors.torch import load_file, save_file
 
+from core.drafter.config import DrafterConfig
+from core.drafter.folder import CheckpointError, load_drafter_checkpoint, write_drafter_folder
+from core.drafter.modeling import Eagle3Drafter
+from core.drafter.serving_format import (
+    ServingFormatError,
+    check_serving_state,
+    drafter_config_from_serving,
+    expected_tensors,
+    serving_config,
+)
 from eval.export import (
     CAP_NOTE,
     ExportConfig,
@@ -19,15 +29,6 @@ from eval.export import (
     export_checkpoint,
     main,
     sglang_command,
-)
-from train.checkpoint import CheckpointError, load_drafter_checkpoint, write_drafter_folder
-from train.drafter import DrafterConfig, Eagle3Drafter
-from train.serving_format import (
-    ServingFormatError,
-    check_serving_state,
-    drafter_config_from_serving,
-    expected_tensors,
-    serving_config,
 )
 
 torch.set_num_threads(1)
@@ -87,7 +88,8 @@ def test_table_is_exactly_the_drafter_serving_keys(fmt):
     cfg = tiny_config()
     table = expected_tensors(cfg, fmt)
     assert set(table) == SERVING_KEYS
-    assert {k: v.shape for k, v in table.items()} == Eagle3Drafter(cfg).serving_keys()
+    served = Eagle3Drafter(cfg).serving_state_dict()
+    assert {k: v.shape for k, v in table.items()} == {k: tuple(v.shape) for k, v in served.items()}
     assert table["d2t"].kind == "int64" and table["t2d"].kind == "bool"
     assert not any(k.startswith(("model.", "layers.")) for k in table)
     with_emb = expected_tensors(cfg, fmt, with_embedding=True)
@@ -407,12 +409,12 @@ def test_round_trip_is_exact(tmp_path, fmt, arch):
     b.embed_tokens.load_state_dict(a.embed_tokens.state_dict())
     ids = torch.randint(0, cfg.vocab_size, (1, 5))
     aux = torch.randn(1, 5, 3 * cfg.target_hidden_size)
-    from train.drafter import TTTCache
+    from core.drafter.ttt_attention import TTTCache
 
     with torch.no_grad():
         pos = torch.arange(5)[None]
-        la = a.compute_logits(a.step(ids, a.project(aux), pos, TTTCache(), None))
-        lb = b.compute_logits(b.step(ids, b.project(aux), pos, TTTCache(), None))
+        la = a.compute_logits(a(ids, a.project(aux), pos, TTTCache(), None))
+        lb = b.compute_logits(b(ids, b.project(aux), pos, TTTCache(), None))
     assert torch.equal(la, lb)
     # exporting the export again changes nothing
     again = export(out, tmp_path / "again", fmt, dtype="fp32")

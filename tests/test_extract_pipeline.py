@@ -9,14 +9,17 @@ import pytest
 import torch
 from helpers_models import make_tiny_llama
 
+from core.batching import pack_batches
+from core.config import ConfigError
+from core.dataset.format import MANIFEST_NAME
+from core.dataset.reader import DatasetReader
 from extract.__main__ import main as extract_main
 from extract.backends.base import TeacherSpec
 from extract.backends.hf import HFTarget
 from extract.chat import tokenize_conversation
-from extract.config import ConfigError, ExtractConfig, build_parser, load_yaml, parse_args
-from extract.pipeline import pack_batches, run_extraction
+from extract.config import ExtractConfig, build_parser, load_yaml, parse_args
+from extract.pipeline import run_extraction
 from extract.records import read_records
-from extract.store import MANIFEST_NAME, DatasetReader
 from extract.verify import verify_dataset
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -31,13 +31,14 @@ from helpers_faults import (
 )
 from helpers_models import make_tiny_llama
 
-import extract.atomic as atomic
+import core.atomic as atomic
+from core.dataset.format import MANIFEST_NAME, read_shard_header
+from core.dataset.reader import DatasetReader
 from extract.__main__ import main as extract_main
 from extract.backends.hf import HFTarget
 from extract.config import parse_args
 from extract.pipeline import rank_lock, run_extraction
 from extract.records import BadRecordError, read_records
-from extract.store import MANIFEST_NAME, DatasetReader, read_shard_header
 from extract.verify import verify_dataset
 
 NUM_SAMPLES = 240
@@ -146,7 +147,7 @@ def test_second_process_on_a_busy_rank_is_refused(world, tmp_path):
 
 
 class _FullDisk:
-    """An `open` for extract.store that fails with ENOSPC half way through the `fail_at`-th shard write."""
+    """An `open` for core.dataset.writer that fails with ENOSPC half way through the `fail_at`-th shard write."""
 
     def __init__(self, fail_at: int) -> None:
         self.fail_at, self.shards = fail_at, 0

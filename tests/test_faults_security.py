@@ -17,9 +17,10 @@ import pytest
 from helpers_store import make_dataset as make_store_dataset
 from helpers_train import base_args, make_dataset, make_target, run_main
 
-from extract.config import ConfigError as ExtractConfigError
+from core.config import ConfigError as ExtractConfigError
+from core.dataset.format import DatasetError
+from core.dataset.reader import DatasetReader
 from extract.config import ExtractConfig, load_yaml
-from extract.store import DatasetError, DatasetReader
 from extract.verify import verify_dataset
 from train.config import ConfigError as TrainConfigError
 from train.config import load_config

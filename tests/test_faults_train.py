@@ -19,12 +19,14 @@ from helpers_models import make_tiny_llama
 from helpers_train import base_args, make_dataset, make_target, run_main
 from safetensors.torch import load_file
 
-import extract.atomic as atomic
+import core.atomic as atomic
+from core.dataset.format import DatasetError
+from core.dataset.reader import DatasetReader
+from core.drafter.folder import CheckpointError
 from eval.acceptance import AcceptanceError
 from eval.acceptance import main as eval_main
-from extract.store import DatasetError, DatasetReader
 from extract.verify import verify_dataset
-from train.checkpoint import CheckpointError, find_resume_checkpoint
+from train.checkpoint import find_resume_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import torch
 from helpers_models import make_tiny_deepseek_v3, make_tiny_llama, make_wrapped_model
 from safetensors import safe_open
 
-from extract import layers
+from core import layers
 from extract.backends.base import GenerationConfig, TeacherSpec
 from extract.backends.hf import HFTarget, resolve_weight_keys, weight_file_keys
 
@@ -73,7 +73,7 @@ def test_last_layer_id_is_pre_norm(targets):
     pre_norm = cap.aux_hidden[:, h:]
     assert (pre_norm - hs[last + 1][0]).abs().max() > 1e-2
     with torch.inference_mode():
-        normed = layers.find_final_norm(target.model)(pre_norm)
+        normed = target.text_model.norm(pre_norm)
     torch.testing.assert_close(normed, cap.last_hidden, atol=1e-5, rtol=1e-5)
 
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from extract.config import load_yaml, parse_args_with_config
-from extract.layers import default_aux_layer_ids, to_engine_layer_ids, weight_key_candidates
+from core.config import parse_args_with_config
+from core.layers import default_aux_layer_ids, to_engine_layer_ids
+from core.target_weights import weight_key_candidates
+from extract.config import load_yaml
 from train.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,7 +68,7 @@ def test_unknown_key_in_an_eval_config_is_refused(tmp_path):
     import pytest
 
     import eval.export as export
-    from extract.config import ConfigError
+    from core.config import ConfigError
 
     bad = tmp_path / "export.yaml"
     bad.write_text("format: sglang\nspeculative_steps: 3\n")

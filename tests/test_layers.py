@@ -12,7 +12,9 @@ from helpers_models import (
 )
 from transformers import AutoModelForCausalLM, CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration
 
-from extract import layers
+from core import layers
+from core.target_weights import text_config, weight_key_candidates
+from extract import model_layout
 
 KIMI = "KimiK25ForConditionalGeneration"
 
@@ -131,19 +133,19 @@ def test_engine_errors():
 
 
 def test_weight_key_candidates_plain_tied_and_wrapped():
-    embed, head = layers.weight_key_candidates(tiny_llama_config(100))
+    embed, head = weight_key_candidates(tiny_llama_config(100))
     assert embed[0] == "model.embed_tokens.weight" and head[0] == "lm_head.weight"
     assert "model.embed_tokens.weight" not in head  # untied: never fall back to the embedding
 
-    _, head = layers.weight_key_candidates(tiny_llama_config(100, tie_word_embeddings=True))
+    _, head = weight_key_candidates(tiny_llama_config(100, tie_word_embeddings=True))
     assert head[0] == "lm_head.weight" and "model.embed_tokens.weight" in head
 
-    embed, head = layers.weight_key_candidates(TinyVLMConfig(text_config=tiny_llama_config(100)))
+    embed, head = weight_key_candidates(TinyVLMConfig(text_config=tiny_llama_config(100)))
     assert embed[0] == "language_model.model.embed_tokens.weight" and head[0] == "language_model.lm_head.weight"
     assert "model.language_model.embed_tokens.weight" in embed
 
     kimi_json = {"architectures": [KIMI], "text_config": {"model_type": "kimi_k2", "tie_word_embeddings": False}}
-    embed, head = layers.weight_key_candidates(kimi_json)
+    embed, head = weight_key_candidates(kimi_json)
     assert embed[0] == "language_model.model.embed_tokens.weight" and head[0] == "language_model.lm_head.weight"
 
 
@@ -181,12 +183,11 @@ def models():
 def test_find_parts(models, key, text_path, n_layers):
     model = models[key]
     text = model.get_submodule(text_path)
-    assert layers.find_text_model(model) is text
-    assert layers.find_decoder_layers(model) is text.layers and len(text.layers) == n_layers
-    assert layers.find_final_norm(model) is text.norm
-    head = layers.find_lm_head(model)
+    assert model_layout.find_text_model(model) is text
+    assert model_layout.find_decoder_layers(model) is text.layers and len(text.layers) == n_layers
+    head = model_layout.find_lm_head(model)
     assert isinstance(head, torch.nn.Linear) and head.weight.shape == (120, text.config.hidden_size)
-    assert layers.text_config(model.config).num_hidden_layers == n_layers
+    assert text_config(model.config).num_hidden_layers == n_layers
 
 
 def test_find_lm_head_without_get_output_embeddings(models):
@@ -197,10 +198,10 @@ def test_find_lm_head_without_get_output_embeddings(models):
 
     inner = models["llama"]
     bare = Bare(inner)
-    assert layers.find_lm_head(bare) is inner.lm_head
-    assert layers.find_text_model(bare) is inner.model
+    assert model_layout.find_lm_head(bare) is inner.lm_head
+    assert model_layout.find_text_model(bare) is inner.model
 
 
 def test_find_text_model_error_names_the_class():
     with pytest.raises(ValueError, match="Linear"):
-        layers.find_text_model(torch.nn.Linear(2, 2))
+        model_layout.find_text_model(torch.nn.Linear(2, 2))

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from extract import layers
+from core import layers
 from extract.backends.base import GenerationConfig, TeacherSpec
 from extract.backends.sglang import (
     LANGUAGE_MODEL_ONLY_ARCHITECTURES,

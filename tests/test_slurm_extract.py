@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from extract.store import DatasetReader
+from core.dataset.reader import DatasetReader
 from extract.verify import verify_dataset
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""extract.store: shard writer, manifest, reader."""
+"""core.dataset: shard writer, manifest, reader, fp8 codec."""
 
 from __future__ import annotations
 
@@ -14,21 +14,20 @@ from helpers_store import make_dataset, make_header, make_sample
 from safetensors import safe_open
 from safetensors.torch import load_file, save
 
-import extract.atomic as atomic
-import extract.store as store
-from extract.store import (
+import core.atomic as atomic
+import core.dataset.reader as reader_module
+from core.dataset.format import (
     COUNTS_NAME,
     MANIFEST_NAME,
     DatasetError,
-    DatasetReader,
     bytes_per_token,
     dataset_header,
     features_are_finite,
-    finalize_dataset,
-    read_shard_info,
     shard_relpath,
-    write_shard,
 )
+from core.dataset.fp8 import dequantize_fp8
+from core.dataset.reader import DatasetReader
+from core.dataset.writer import finalize_dataset, read_shard_info, write_shard
 
 FLOOR = torch.finfo(torch.float32).min
 
@@ -380,19 +379,19 @@ def test_get_slices_rows_and_never_loads_whole_tensors(tmp_path, monkeypatch):
         def __getattr__(self, name):
             return getattr(self.inner, name)
 
-    real_open = store.safe_open
+    real_open = reader_module.safe_open
     reader = DatasetReader(tmp_path)
-    monkeypatch.setattr(store, "safe_open", lambda *a, **k: Spy(real_open(*a, **k)))
+    monkeypatch.setattr(reader_module, "safe_open", lambda *a, **k: Spy(real_open(*a, **k)))
     offs = full["sample_offsets"].tolist()
     for i in torch.randperm(len(reader), generator=torch.Generator().manual_seed(1)).tolist():
         got = reader.get(i)
         a, b = offs[i], offs[i + 1]
         assert torch.equal(got.input_ids, full["input_ids"][a:b].long())
         assert torch.equal(
-            got.aux_hidden, store.dequantize_fp8(full["aux_hidden"][a:b], full["aux_scale"][a:b])
+            got.aux_hidden, dequantize_fp8(full["aux_hidden"][a:b], full["aux_scale"][a:b])
         )
         assert torch.equal(
-            got.last_hidden, store.dequantize_fp8(full["last_hidden"][a:b], full["last_scale"][a:b])
+            got.last_hidden, dequantize_fp8(full["last_hidden"][a:b], full["last_scale"][a:b])
         )
         assert torch.equal(got.topk_ids, full["topk_ids"][a:b].long())
     assert calls and not any(c.startswith("get_tensor") for c in calls)

@@ -7,13 +7,8 @@ import random
 import pytest
 import torch
 
-from train.data import (
-    DistributedBucketSampler,
-    SamplerState,
-    collate,
-    length_bucketed_batches,
-    split_by_id,
-)
+from core.dataset.batch import collate
+from train.data import DistributedBucketSampler, SamplerState, length_bucketed_batches, split_by_id
 
 IDS = [f"conv-{i}" for i in range(400)]
 LENGTHS = [random.Random(i).randint(5, 300) for i in range(400)]
@@ -94,24 +89,35 @@ def test_grad_accum_trims_to_whole_steps():
     assert s.steps_in_epoch(0) == len(s.rank_batches(0)) // 3
 
 
-def test_iterate_resumes_exactly_across_epochs():
+def _run(sampler: DistributedBucketSampler, state: SamplerState, n: int) -> list[tuple[int, int, list[int]]]:
+    """The training loop's walk over the data (train/main.py): remaining(state), then the next epoch."""
+    out = []
+    while len(out) < n:
+        for batch in sampler.remaining(state):
+            state.position += 1
+            out.append((state.epoch, state.position, batch))
+            if len(out) == n:
+                return out
+        state.epoch, state.position = state.epoch + 1, 0
+    return out
+
+
+def test_resume_replays_exactly_across_epochs():
     s = _sampler(1, 2)
     n0 = len(s.rank_batches(0))
-    it = s.iterate(SamplerState())
-    straight = [next(it) for _ in range(n0 + 5)]
+    straight = _run(s, SamplerState(), n0 + 5)
     assert straight[n0][0] == 1 and straight[n0][1] == 1  # epoch rolled over, position restarts
     for cut in (0, 3, n0 - 1, n0, n0 + 2):
         epoch, pos, _ = straight[cut - 1] if cut else (0, 0, None)  # cut = n0: saved at an epoch's end
-        resumed = _sampler(1, 2).iterate(SamplerState(epoch, pos))
-        tail = [next(resumed) for _ in range(len(straight) - cut)]
+        tail = _run(_sampler(1, 2), SamplerState(epoch, pos), len(straight) - cut)
         assert [b for _, _, b in tail] == [b for _, _, b in straight[cut:]]
 
 
 def test_too_little_data_is_an_error_not_a_hang():
     s = DistributedBucketSampler([0], [10], tokens_per_batch=100, max_samples=0, mega_batch_samples=8,
                                  seed=0, rank=0, world_size=2)
-    with pytest.raises(ValueError, match="fewer than 2 batches"):
-        next(s.iterate(SamplerState()))
+    with pytest.raises(ValueError, match="1 training samples give no optimizer step for 2 rank"):
+        s.check_trainable("data/")
 
 
 class _S:

@@ -21,7 +21,7 @@ import torch
 from helpers_train import base_args, make_dataset, make_target, read_metrics
 from safetensors.torch import load_file
 
-from extract.store import DatasetReader
+from core.dataset.reader import DatasetReader
 from train.data import DistributedBucketSampler, split_by_id
 
 ROOT = Path(__file__).resolve().parents[1]

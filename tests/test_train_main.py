@@ -16,7 +16,8 @@ from helpers_drafter import SERVING_KEYS
 from helpers_train import AUX_IDS, base_args, make_dataset, make_target, read_metrics, run_main
 from safetensors.torch import load_file
 
-from train.checkpoint import CheckpointError, find_resume_checkpoint, load_drafter_checkpoint
+from core.drafter.folder import CheckpointError, load_drafter_checkpoint
+from train.checkpoint import find_resume_checkpoint
 from train.config import FIELDS, ConfigError, load_config
 from train.data import split_by_id
 from train.main import cosine_with_warmup
@@ -80,7 +81,7 @@ def test_help_lists_every_option(how):
                          timeout=120)
     assert res.returncode == 0, res.stderr
     for name in FIELDS:
-        assert f"--{name}" in res.stdout, name
+        assert f"--{name.replace('_', '-')}" in res.stdout, name
 
 
 def test_schedule_and_acceptance_length():
@@ -129,7 +130,7 @@ def test_checkpoint_layout_latest_and_rotation(tiny, tmp_path):
     assert (config["hidden_size"], config["draft_vocab_size"], config["vocab_size"]) == (64, 64, vocab)
     assert config["tie_word_embeddings"] is False and config["torch_dtype"] == "float32"
     record = json.loads((ck / "redraft.json").read_text())
-    from extract.store import DatasetReader
+    from core.dataset.reader import DatasetReader
 
     ids = DatasetReader(data).sample_ids
     _, val = split_by_id(ids, 0.15, 8, seed=0)

@@ -14,7 +14,9 @@ from helpers_store import make_dataset, make_header
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from extract.store import COUNTS_NAME, MANIFEST_NAME, finalize_dataset, serialize, shard_relpath
+from core.dataset.format import COUNTS_NAME, MANIFEST_NAME, shard_relpath
+from core.dataset.safetensors_bytes import serialize
+from core.dataset.writer import finalize_dataset
 from extract.verify import main, verify_dataset
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""Checkpoint folders: serving files + redraft's record + the full training state, written atomically.
+"""Training checkpoints: a drafter folder (core.drafter.folder) plus the full training state, written atomically.
 
 Layout of ``OUT/step-0000100/``::
 
@@ -17,101 +17,27 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
-from safetensors.torch import save_file
-
-from extract.atomic import atomic_write_text
-from train.drafter import DrafterConfig
-from train.serving_format import (  # noqa: F401  (re-exported: the serving pieces live there now)
-    SERVING_ARCH,
-    drafter_config_from_serving,
-    load_serving_weights,
-    serving_config,
+from core.atomic import atomic_write_text
+from core.drafter.config import DrafterConfig
+from core.drafter.folder import (
+    LATEST,
+    STEP_RE,
+    CheckpointError,
+    step_dirname,
+    write_drafter_folder,
+    write_json,
 )
 
 log = logging.getLogger(__name__)
 
-STEP_RE = re.compile(r"^step-(\d{7,})$")
 TMP_PREFIX = ".tmp-"
-LATEST = "latest"
 TRAINING_STATE = "training_state"
-REDRAFT_RECORD = "redraft.json"
 TRAINER_STATE = "trainer_state.json"
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint folder that is missing, incomplete, or does not fit the data."""
-
-
-def step_dirname(step: int) -> str:
-    return f"step-{step:07d}"
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
-
-
-# ----------------------------------------------------------------------------- serving files
-
-
-def write_drafter_folder(folder: Path, cfg: DrafterConfig, state: Mapping[str, torch.Tensor], record: Mapping) -> None:
-    """config.json + model.safetensors + redraft.json: a servable drafter (and what eval reads back)."""
-    state = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
-    floats = {v.dtype for v in state.values() if v.is_floating_point()}
-    dtype = _DTYPE_NAMES.get(next(iter(floats)), None) if len(floats) == 1 else None
-    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    _write_json(folder / "config.json", serving_config(cfg, engine="sglang", torch_dtype=dtype))
-    _write_json(folder / REDRAFT_RECORD, {**record, "drafter": cfg.to_dict()})
-
-
-def load_drafter_checkpoint(
-    folder: str | Path, *, target_architecture: str | None = None, target_num_layers: int | None = None
-) -> tuple[DrafterConfig, dict[str, torch.Tensor]]:
-    """(config, serving state dict) of a redraft checkpoint, or of an SGLang/SpecForge drafter folder.
-
-    redraft checkpoints carry their DrafterConfig in redraft.json. A foreign folder only has
-    config.json, so its layer ids are interpreted for ``target_architecture`` (with
-    ``target_num_layers`` for the default ids); both must then be given. Weights come back under
-    our names (``model.``/``layers.0.`` names mapped), without any ``embed_tokens.weight``.
-    """
-    folder = Path(folder)
-    weights = folder / "model.safetensors"
-    if not weights.is_file():
-        raise CheckpointError(f"{weights}: missing (not a drafter folder)")
-    record_path = folder / REDRAFT_RECORD
-    if record_path.is_file():
-        record = json.loads(record_path.read_text())
-        if "drafter" not in record:
-            raise CheckpointError(f"{record_path}: key 'drafter' is missing")
-        cfg = DrafterConfig.from_dict(record["drafter"])
-    else:
-        cfg_path = folder / "config.json"
-        if not cfg_path.is_file():
-            raise CheckpointError(f"{folder}: neither {REDRAFT_RECORD} nor config.json is present")
-        if target_architecture is None or target_num_layers is None:
-            raise CheckpointError(
-                f"{folder}: a foreign drafter folder (no {REDRAFT_RECORD}) needs target_architecture and "
-                "target_num_layers to interpret its layer ids"
-            )
-        try:
-            cfg = drafter_config_from_serving(
-                json.loads(cfg_path.read_text()),
-                target_architecture=target_architecture,
-                target_num_layers=target_num_layers,
-            )
-        except (KeyError, ValueError) as e:
-            raise CheckpointError(f"{cfg_path}: {e}") from e
-    try:
-        return cfg, load_serving_weights(weights)
-    except ValueError as e:
-        raise CheckpointError(str(e)) from e
 
 
 INIT_FROM_FIELDS = ("hidden_size", "target_hidden_size", "vocab_size", "draft_vocab_size", "aux_layer_ids")
@@ -202,7 +128,7 @@ def save_checkpoint(
     accelerator.save_state(str(tmp / TRAINING_STATE))
     if accelerator.is_main_process:
         write_drafter_folder(tmp, drafter.config, drafter.serving_state_dict(), record)
-        _write_json(
+        write_json(
             tmp / TRAINER_STATE,
             {**trainer_state, "rng_states": f"{TRAINING_STATE}/random_states_<rank>.pkl (one per rank)"},
         )

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from extract.config import ConfigError, read_yaml_mapping  # one error type and YAML reader for every stage
+from core.config import ConfigError, read_yaml_mapping  # one error type and YAML reader for every stage
 
 
 def _f(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -70,7 +70,7 @@ class TrainConfig:
         0, "save and exit at this step without changing the schedule (time-limited jobs; resume later; 0: off)"
     )
     grad_accum: int = _f(1, "micro-batches per optimizer step")
-    ttt_steps: int = _f(7, "test-time-training unroll length K")
+    ttt_steps: int = _f(7, "training-time test (TTT) unroll length K: draft steps trained per position")
     ttt_decay: float = _f(0.8, "loss weight of TTT step k is decay**k")
     dtype: str = _f(
         "bf16",
@@ -231,13 +231,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="train/main.py",
         description="Train an EAGLE-3 drafter on a redraft dataset. Options come from --config YAML, then "
-        "--key value overrides (dashes or underscores).",
+        "--key-name value overrides (the underscore spelling is accepted too).",
         allow_abbrev=False,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--config", default=None, help="YAML file whose keys are the options below")
     for name, f in FIELDS.items():
-        flags = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
+        flags = [f"--{name.replace('_', '-')}"]  # the underscore spelling is accepted too (parse_overrides)
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         kwargs: dict[str, Any] = {"default": default, "help": f.metadata["help"], "metavar": name.upper()}
         if "choices" in f.metadata:

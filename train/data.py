@@ -1,4 +1,4 @@
-"""Train/val split, length-bucketed batches, a resumable distributed sampler, and padding collate.
+"""Train/val split, length-bucketed batches and a resumable distributed sampler.
 
 Everything here is a pure function of (sample ids, lengths, seed, epoch, rank, world size), so a
 resumed run replays exactly the batches an uninterrupted run would have seen, and every rank can
@@ -10,12 +10,13 @@ from __future__ import annotations
 import hashlib
 import logging
 import random
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, fields
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch.utils.data import Dataset
+
+from core.batching import pack_sorted
 
 log = logging.getLogger(__name__)
 
@@ -80,20 +81,7 @@ def length_bucketed_batches(
     batches: list[list[int]] = []
     for start in range(0, len(order), mega_batch_samples):
         mega = sorted(order[start : start + mega_batch_samples], key=lambda i: (-lengths[i], i))
-        cur: list[int] = []
-        cur_max = 0
-        for i in mega:
-            n = cur_max if cur else 0
-            new_max = max(n, int(lengths[i]))
-            fits_tokens = tokens_per_batch <= 0 or new_max * (len(cur) + 1) <= tokens_per_batch
-            fits_count = max_samples <= 0 or len(cur) < max_samples
-            if cur and not (fits_tokens and fits_count):
-                batches.append(cur)
-                cur, new_max = [], int(lengths[i])
-            cur.append(i)
-            cur_max = new_max
-        if cur:
-            batches.append(cur)
+        batches += pack_sorted(mega, lengths, tokens_per_batch, max_samples)
     if shuffle:
         rng.shuffle(batches)
     return batches
@@ -166,23 +154,17 @@ class DistributedBucketSampler:
     def steps_in_epoch(self, epoch: int) -> int:
         return len(self.rank_batches(epoch)) // self.grad_accum
 
-    def iterate(self, state: SamplerState) -> Iterator[tuple[int, int, list[int]]]:
-        """Yield (epoch, position after this batch, batch) forever, starting at ``state``."""
-        epoch, position = state.epoch, state.position
-        empty_epochs = 0
-        while True:
-            batches = self.rank_batches(epoch)
-            if not batches:
-                empty_epochs += 1
-                if empty_epochs > 1:
-                    raise ValueError(
-                        f"no batches for rank {self.rank}/{self.world_size}: {len(self.indices)} samples make "
-                        f"fewer than {self.world_size * self.grad_accum} batches (world × grad_accum)"
-                    )
-            for pos in range(position, len(batches)):
-                empty_epochs = 0
-                yield epoch, pos + 1, batches[pos]
-            epoch, position = epoch + 1, 0
+    def remaining(self, state: SamplerState) -> list[list[int]]:
+        """The micro-batches of ``state.epoch`` not yet done: what the training loop runs next (also on resume)."""
+        return self.rank_batches(state.epoch)[state.position :]
+
+    def check_trainable(self, where: str) -> None:
+        """Refuse data that gives this rank no optimizer step (the loop would spin over empty epochs)."""
+        if self.steps_in_epoch(0) == 0:
+            raise ValueError(
+                f"{where}: {len(self.indices)} training samples give no optimizer step for {self.world_size} "
+                f"rank(s) x grad_accum {self.grad_accum}; lower tokens_per_batch/micro_batch_size or add data"
+            )
 
 
 # ----------------------------------------------------------------------------- tensors
@@ -199,72 +181,3 @@ class FeatureDataset(Dataset):
 
     def __getitem__(self, i: int) -> Any:
         return self.reader.get(int(i))
-
-
-@dataclass
-class Batch:
-    """RAW right-padded [B, T] tensors (ttt_forward does the alignment shift itself)."""
-
-    input_ids: torch.Tensor  # int64 [B, T]
-    attention_mask: torch.Tensor  # int64 [B, T], 1 = real token
-    loss_mask: torch.Tensor  # int64 [B, T]
-    aux_hidden: torch.Tensor  # float [B, T, 3H]
-    topk_ids: torch.Tensor | None  # int64 [B, T, K]
-    topk_logprobs: torch.Tensor | None  # float32 [B, T, K]
-    last_hidden: torch.Tensor | None  # float [B, T, H]
-    sample_ids: list[str]
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.attention_mask.sum())
-
-    def to(self, device: torch.device | str, dtype: torch.dtype) -> Batch:
-        """Move to ``device``; hidden states take ``dtype``, teacher log-probs stay fp32 for the loss."""
-        out = {}
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, torch.Tensor):
-                if f.name in ("aux_hidden", "last_hidden"):
-                    v = v.to(device=device, dtype=dtype, non_blocking=True)
-                else:
-                    v = v.to(device=device, non_blocking=True)
-            out[f.name] = v
-        return Batch(**out)
-
-
-def _pad(rows: list[torch.Tensor], length: int, value: float = 0) -> torch.Tensor:
-    out = rows[0].new_full((len(rows), length, *rows[0].shape[1:]), value)
-    for b, r in enumerate(rows):
-        out[b, : r.shape[0]] = r
-    return out
-
-
-def _tensor(x: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
-    t = x if isinstance(x, torch.Tensor) else torch.as_tensor(x)
-    return t if dtype is None else t.to(dtype)
-
-
-def collate(samples: list[Any], max_length: int = 0) -> Batch:
-    """Right-pad SampleFeatures to the longest (optionally truncated) sample; padding has masks 0."""
-    if not samples:
-        raise ValueError("collate got an empty batch")
-    cut = (lambda t: t[:max_length]) if max_length > 0 else (lambda t: t)
-    ids = [cut(_tensor(s.input_ids, torch.int64)) for s in samples]
-    T = max(t.shape[0] for t in ids)
-    has_topk = samples[0].topk_ids is not None
-    has_last = samples[0].last_hidden is not None
-    for s in samples:
-        if (s.topk_ids is not None) != has_topk or (s.last_hidden is not None) != has_last:
-            raise ValueError(f"sample {s.sample_id!r} has different teacher fields than {samples[0].sample_id!r}")
-    return Batch(
-        input_ids=_pad(ids, T),
-        attention_mask=_pad([torch.ones_like(t) for t in ids], T),
-        loss_mask=_pad([cut(_tensor(s.loss_mask, torch.int64)) for s in samples], T),
-        aux_hidden=_pad([cut(_tensor(s.aux_hidden)) for s in samples], T),
-        topk_ids=_pad([cut(_tensor(s.topk_ids, torch.int64)) for s in samples], T) if has_topk else None,
-        topk_logprobs=(
-_pad([cut(_tensor(s.topk_logprobs, torch.float32)) for s in samples], T) if has_topk else None
-        ),
-        last_hidden=_pad([cut(_tensor(s.last_hidden)) for s in samples], T) if has_last else None,
-        sample_ids=[str(s.sample_id) for s in samples],
-    )

@@ -26,40 +26,11 @@ if __package__ in (None, ""):  # run as a script path: make the repo root import
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from train.config import TrainConfig, parse_cli  # noqa: E402
 
 log = logging.getLogger("redraft.train")
-
-
-# ============================================================================ model wrapper
-
-
-class TTTModel(nn.Module):
-    """The drafter plus its TTT unroll as one forward, so DDP/DeepSpeed/autocast wrappers see the compute."""
-
-    def __init__(self, drafter: nn.Module, steps: int, decay: float) -> None:
-        super().__init__()
-        self.drafter = drafter
-        self.steps = steps
-        self.decay = decay
-
-    def forward(self, input_ids, aux_hidden, attention_mask, loss_mask, target_p, target_ids, p_on_draft):
-        from train.ttt import TeacherTargets, ttt_forward
-
-        teacher = TeacherTargets(target_p=target_p, target_ids=target_ids, p_on_draft=p_on_draft)
-        return ttt_forward(
-            self.drafter,
-            input_ids=input_ids,
-            aux_hidden=aux_hidden,
-            attention_mask=attention_mask,
-            loss_mask=loss_mask,
-            teacher=teacher,
-            steps=self.steps,
-            decay=self.decay,
-        )
 
 
 # ============================================================================ helpers
@@ -126,7 +97,7 @@ def configure_deepspeed(accelerator: Any, cfg: TrainConfig) -> None:
 
 def target_info(manifest: dict, target_path: Path) -> dict[str, Any]:
     """DrafterConfig.from_target's input: sizes from the manifest, heads/MLP/rope from the target config."""
-    from extract.layers import text_config
+    from core.target_weights import text_config
 
     cfg_file = target_path / "config.json"
     if not cfg_file.is_file():
@@ -173,7 +144,7 @@ def check_init_fingerprint(init_from: Path, manifest: dict, data: str) -> None:
     the drafter's d2t mapping and everything it learnt would then be silently wrong. Foreign
     folders (no redraft.json) carry no fingerprint; only their shapes are checked.
     """
-    from train.checkpoint import REDRAFT_RECORD, CheckpointError
+    from core.drafter.folder import REDRAFT_RECORD, CheckpointError
 
     path = init_from / REDRAFT_RECORD
     if not path.is_file():
@@ -223,20 +194,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # ---------------------------------------------------------------- setup
     from accelerate.utils import set_seed
 
-    from extract.layers import weight_key_candidates
-    from extract.store import DatasetReader
+    from core.dataset.batch import collate
+    from core.dataset.reader import DatasetReader
+    from core.drafter.config import DrafterConfig
+    from core.drafter.folder import load_drafter_checkpoint
+    from core.drafter.modeling import Eagle3Drafter
+    from core.drafter.vocab import build_vocab_mapping
+    from core.target_weights import read_target_tensor, weight_key_candidates
     from train.checkpoint import (
         check_init_compatible,
         find_resume_checkpoint,
-        load_drafter_checkpoint,
         read_trainer_state,
         save_checkpoint,
     )
-    from train.data import DistributedBucketSampler, FeatureDataset, SamplerState, collate, split_by_id
-    from train.drafter import DrafterConfig, Eagle3Drafter, read_target_tensor
+    from train.data import DistributedBucketSampler, FeatureDataset, SamplerState, split_by_id
     from train.tracking import StepStats, Tracker
-    from train.ttt import teacher_from_last_hidden, teacher_from_topk
-    from train.vocab import build_vocab_mapping
+    from train.ttt import TTTModel
 
     accelerator = make_accelerator(cfg)
     rank, world = accelerator.process_index, accelerator.num_processes
@@ -259,11 +232,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     mega_batch_samples=cfg.mega_batch_samples, seed=cfg.seed, rank=rank, world_size=world)
     sampler = DistributedBucketSampler(train_idx, lengths, grad_accum=cfg.grad_accum, **batching)
     val_sampler = DistributedBucketSampler(val_idx, lengths, shuffle=False, **batching)
-    if sampler.steps_in_epoch(0) == 0:
-        raise ValueError(
-            f"{cfg.data}: {len(train_idx)} training samples give no optimizer step for {world} rank(s) x "
-            f"grad_accum {cfg.grad_accum}; lower tokens_per_batch/micro_batch_size or add data"
-        )
+    sampler.check_trainable(cfg.data)
     total_steps = cfg.max_steps or sum(sampler.steps_in_epoch(e) for e in range(cfg.num_epochs))
     dataset = FeatureDataset(reader)
     in_dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
@@ -312,7 +281,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     lm_head = None
     if teacher_kind == "last_hidden":
         lm_head = read_target_tensor(target_path, head_keys)[0].to(accelerator.device)
-    model = TTTModel(drafter, cfg.ttt_steps, cfg.ttt_decay)
+    model = TTTModel(drafter, steps=cfg.ttt_steps, decay=cfg.ttt_decay, teacher=teacher_kind, lm_head=lm_head,
+                     teacher_chunk_tokens=cfg.teacher_chunk_tokens)
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log.info("drafter: %s, %.2fM trainable parameters", drafter_cfg, n_train / 1e6)
 
@@ -329,7 +299,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     model, optimizer = accelerator.prepare(model, optimizer)
     # The scheduler's state goes into trainer_state.json, not register_for_checkpointing: accelerate
     # unpickles registered objects with weights_only=False, and a checkpoint must not be able to run code.
-    core = accelerator.unwrap_model(model)
+    unwrapped = accelerator.unwrap_model(model)
 
     # ---------------------------------------------------------------- resume
     step, state = 0, SamplerState()
@@ -377,18 +347,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         (out / "sample_ids").mkdir(parents=True, exist_ok=True)
         ids_log = open(out / "sample_ids" / f"rank-{rank}.jsonl", "a")
 
-    def forward(batch) -> Any:
-        b = batch.to(accelerator.device, in_dtype)
-        t2d, d2t = core.drafter.t2d, core.drafter.d2t
-        with torch.no_grad():
-            if teacher_kind == "topk":
-                teacher = teacher_from_topk(b.topk_ids, b.topk_logprobs, t2d, d2t)
-            else:
-                teacher = teacher_from_last_hidden(b.last_hidden, lm_head, t2d, cfg.teacher_chunk_tokens)
-        return model(input_ids=b.input_ids, aux_hidden=b.aux_hidden, attention_mask=b.attention_mask,
-                     loss_mask=b.loss_mask, target_p=teacher.target_p, target_ids=teacher.target_ids,
-                     p_on_draft=teacher.p_on_draft)
-
     def evaluate() -> dict[str, Any] | None:
         batches = val_sampler.rank_batches(0)
         if not batches:
@@ -397,14 +355,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         model.eval()
         with torch.no_grad():
             for batch in loader(batches):
-                stats.add(forward(batch), batch.num_tokens, int(batch.loss_mask.sum()))
+                stats.add(model(batch.to(accelerator.device, in_dtype)), batch.num_tokens, int(batch.loss_mask.sum()))
         model.train()
         return stats.summary(accelerator)
 
     def save() -> Path:
         trainer_state = {"step": step, "epoch": state.epoch, "position": state.position, "world_size": world,
                          "tokens_seen": tokens_seen, "total_steps": total_steps, "scheduler": scheduler.state_dict()}
-        return save_checkpoint(accelerator, out, step, drafter=core.drafter, record={**record, "step": step},
+        return save_checkpoint(accelerator, out, step, drafter=unwrapped.drafter, record={**record, "step": step},
                                trainer_state=trainer_state, keep_last=cfg.keep_last)
 
     # ---------------------------------------------------------------- loop
@@ -414,11 +372,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     grad_norm: Any = float("nan")  # a device tensor between log steps: float() only when logged (no host sync)
     end_step = min(total_steps, cfg.stop_at_step) if cfg.stop_at_step > 0 else total_steps
     while step < end_step:
-        batches = sampler.rank_batches(state.epoch)[state.position:]
-        for batch in loader(batches):
+        for batch in loader(sampler.remaining(state)):
             state.position += 1
             with accelerator.accumulate(model):
-                out_ttt = forward(batch)
+                out_ttt = model(batch.to(accelerator.device, in_dtype))
                 accelerator.backward(out_ttt.loss)
                 if accelerator.sync_gradients:
                     norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)

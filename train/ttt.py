@@ -43,23 +43,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
+from torch import nn
 
-from train.drafter import Eagle3Drafter, TTTCache
-from train.vocab import draft_token_ids
-
-# t2d tensor -> (its version, device, nonzero(t2d) there): nonzero is a host sync on GPUs, and the
-# training loop calls teacher_from_last_hidden with the same t2d buffer every step.
-_DRAFT_COLUMNS: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-
-@dataclass
-class TeacherTargets:
-    """Teacher rows in raw alignment (row t predicts token t+1), restricted to the draft vocab."""
-
-    target_p: torch.Tensor  # [B, T, Vd] teacher distribution renormalised over the draft vocab (0 rows: no mass)
-    target_ids: torch.Tensor  # [B, T] int64 teacher full-vocab argmax of row t
-    p_on_draft: torch.Tensor | None = None  # [B, T, Vd] unrenormalised teacher prob on draft tokens
+from core.alignment import shift_left
+from core.dataset.batch import Batch
+from core.drafter.modeling import Eagle3Drafter
+from core.drafter.ttt_attention import TTTCache
+from core.teacher_targets import TeacherTargets, teacher_from_last_hidden, teacher_from_topk
 
 
 @dataclass
@@ -73,31 +63,6 @@ class TTTOutput:
     step_accept_sum: torch.Tensor  # [K]
     step_acc_counts: torch.Tensor  # [K] accuracy denominators (loss-masked positions, any teacher argmax)
     logits: list[torch.Tensor] | None = None  # K x [B, T, Vd] detached, with return_logits=True
-
-
-class _SoftCrossEntropy(torch.autograd.Function):
-    """-sum_v p * log_softmax(x) in fp32, saving only x, p (a view of the teacher) and logsumexp."""
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, target_p: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        x = logits.float()
-        lse = torch.logsumexp(x, dim=-1, keepdim=True)
-        loss = -(target_p.float() * (x - lse)).sum(-1)
-        ctx.save_for_backward(logits, target_p, lse)
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        logits, target_p, lse = ctx.saved_tensors
-        p = target_p.float()
-        q = torch.exp(logits.float() - lse)
-        g = grad[..., None] * (q * p.sum(-1, keepdim=True) - p)
-        return g.to(logits.dtype), None
-
-
-def soft_cross_entropy(logits: torch.Tensor, target_p: torch.Tensor) -> torch.Tensor:
-    """Per-row soft cross-entropy [...] (fp32) of logits [..., Vd] against target_p [..., Vd]."""
-    return _SoftCrossEntropy.apply(logits, target_p)
 
 
 class _SoftCrossEntropyWithSoftmax(torch.autograd.Function):
@@ -138,12 +103,17 @@ class _SoftCrossEntropyWithSoftmax(torch.autograd.Function):
         return dx.to(ctx.logits_dtype), None, None
 
 
-def _shift_left(x: torch.Tensor, s: int) -> torch.Tensor:
-    """x[:, s:] followed by s zero columns (dim 1)."""
-    if s == 0:
-        return x
-    pad = torch.zeros((x.shape[0], min(s, x.shape[1]), *x.shape[2:]), dtype=x.dtype, device=x.device)
-    return torch.cat((x[:, s:], pad), dim=1)
+def soft_cross_entropy(
+    logits: torch.Tensor, target_p: torch.Tensor, p_mass: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The training loss per row: (soft-CE [...] fp32, drafter softmax q [..., Vd] fp32, argmax [...]).
+
+    soft-CE = -sum_v p * log_softmax(x); ``p_mass`` [...] is sum_v p (computed here when not given),
+    0 for a row without teacher mass. Only the soft-CE carries a gradient.
+    """
+    if p_mass is None:
+        p_mass = target_p.float().sum(-1)
+    return _SoftCrossEntropyWithSoftmax.apply(logits, target_p, p_mass)
 
 
 def _check_shapes(input_ids, aux_hidden, attention_mask, loss_mask, teacher, position_ids) -> None:
@@ -196,7 +166,7 @@ def ttt_forward(
     rows_k: list[list[torch.Tensor]] = [[] for _ in range(5)]  # loss, n, correct, n_acc, accept
     all_logits: list[torch.Tensor] = []
     for k in range(steps):
-        hidden = drafter.step(_shift_left(ids, 1 + k), hidden, position_ids + k, cache, attention_mask)
+        hidden = drafter(shift_left(ids, 1 + k), hidden, position_ids + k, cache, attention_mask)
         span = max(seq - 2 - k, 0)  # positions t whose predicted token t+2+k exists
         if return_logits:
             logits = drafter.compute_logits(hidden)
@@ -207,7 +177,7 @@ def ttt_forward(
         count = counted_tok[:, 2 + k : 2 + k + span]
         rows = slice(1 + k, 1 + k + span)
         loss_pos = count & in_draft[:, rows]
-        ce, q, pred = _SoftCrossEntropyWithSoftmax.apply(lg, teacher.target_p[:, rows], p_mass[:, rows])
+        ce, q, pred = soft_cross_entropy(lg, teacher.target_p[:, rows], p_mass[:, rows])
         n_loss = loss_pos.sum()
         loss_k = torch.where(loss_pos, ce, zero).sum() / n_loss.clamp(min=1)
         total = total + (decay**k) * loss_k
@@ -238,87 +208,59 @@ def ttt_forward(
     )
 
 
-def teacher_from_topk(
-    topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, t2d: torch.Tensor, d2t: torch.Tensor
-) -> TeacherTargets:
-    """Dense draft-vocab teacher from top-k log-probs [B, T, K] (exp scattered onto draft ids).
+class TTTModel(nn.Module):
+    """The drafter, its teacher and the TTT unroll as one forward, so the loop reads ``out = model(batch)``.
 
-    The argmax is taken over the top-k entries (it is the full-vocab argmax when k >= 1); ids
-    outside the draft vocab (or negative padding ids) only lose their mass.
+    One module, so DDP/DeepSpeed/autocast wrappers see the whole compute. The teacher (top-k
+    log-probs, or the target's lm_head over the stored last hidden state) is turned into draft-vocab
+    targets inside the forward, without gradient, against the drafter's current vocab mapping. The
+    lm_head is a plain attribute, not a parameter or buffer: it is frozen, never saved, and can be
+    as large as the target's vocab times its hidden size.
     """
-    if topk_ids.shape != topk_logprobs.shape:
-        raise ValueError(f"teacher_from_topk: ids {tuple(topk_ids.shape)} vs logprobs {tuple(topk_logprobs.shape)}")
-    vocab = t2d.numel()
-    n_draft = d2t.numel()
-    ids = topk_ids.to(torch.int64)
-    valid = (ids >= 0) & (ids < vocab)
-    t_to_d = torch.full((vocab,), -1, dtype=torch.int64, device=ids.device)
-    t_to_d[draft_token_ids(d2t).to(ids.device)] = torch.arange(n_draft, device=ids.device)
-    didx = torch.where(valid, t_to_d[ids.clamp(0, vocab - 1)], torch.full_like(ids, -1))
-    keep = didx >= 0
-    probs = torch.where(keep, topk_logprobs.float().exp(), torch.zeros((), device=ids.device))
-    # renormalise the K kept entries, then scatter: no pass over [B, T, Vd] besides the two fills + scatters
-    mass = probs.sum(-1, keepdim=True)
-    renorm = torch.where(mass > 0, probs / mass.clamp(min=torch.finfo(torch.float32).tiny), torch.zeros_like(probs))
-    index = didx.clamp(min=0)
-    dense = (*ids.shape[:-1], n_draft)
-    p_on_draft = torch.zeros(dense, dtype=torch.float32, device=ids.device).scatter_add_(-1, index, probs)
-    target_p = torch.zeros(dense, dtype=torch.float32, device=ids.device).scatter_add_(-1, index, renorm)
-    best = topk_logprobs.float().masked_fill(~valid, float("-inf")).argmax(-1, keepdim=True)
-    target_ids = ids.gather(-1, best).squeeze(-1)
-    return TeacherTargets(target_p=target_p, target_ids=target_ids, p_on_draft=p_on_draft)
 
+    def __init__(
+        self,
+        drafter: Eagle3Drafter,
+        *,
+        steps: int,
+        decay: float,
+        teacher: str = "topk",
+        lm_head: torch.Tensor | None = None,
+        teacher_chunk_tokens: int = 1024,
+    ) -> None:
+        super().__init__()
+        if teacher not in ("topk", "last_hidden"):
+            raise ValueError(f"TTTModel: teacher must be topk or last_hidden, got {teacher!r}")
+        if teacher == "last_hidden" and lm_head is None:
+            raise ValueError("TTTModel: the last_hidden teacher needs the target's lm_head")
+        self.drafter = drafter
+        self.steps = steps
+        self.decay = decay
+        self.teacher = teacher
+        self.lm_head = lm_head
+        self.teacher_chunk_tokens = teacher_chunk_tokens
 
-@torch.no_grad()
-def teacher_from_last_hidden(
-    last_hidden: torch.Tensor, lm_head_weight: torch.Tensor, t2d: torch.Tensor, chunk_tokens: int = 512
-) -> TeacherTargets:
-    """Teacher from the target's post-final-norm hidden [B, T, H] and its lm_head [V, H].
+    @torch.no_grad()
+    def teacher_targets(self, batch: Batch) -> TeacherTargets:
+        """The target's distribution for this batch; outside autocast, so the lm_head runs in its own dtype."""
+        t2d, d2t = self.drafter.t2d, self.drafter.d2t
+        with torch.autocast(batch.input_ids.device.type, enabled=False):
+            if self.teacher == "topk":
+                if batch.topk_ids is None or batch.topk_logprobs is None:
+                    raise ValueError("TTTModel: teacher topk, but the batch holds no top-k log-probs")
+                return teacher_from_topk(batch.topk_ids, batch.topk_logprobs, t2d, d2t)
+            if batch.last_hidden is None:
+                raise ValueError("TTTModel: teacher last_hidden, but the batch holds no last hidden state")
+            return teacher_from_last_hidden(batch.last_hidden, self.lm_head, t2d, self.teacher_chunk_tokens)
 
-    Logits exist for at most ``chunk_tokens`` tokens at a time (the matmul runs in the
-    head's dtype, like the target); only the draft columns, the logsumexp and the argmax
-    are kept.
-    """
-    if chunk_tokens < 1:
-        raise ValueError(f"teacher_from_last_hidden: chunk_tokens must be >= 1, got {chunk_tokens}")
-    if last_hidden.shape[-1] != lm_head_weight.shape[1] or lm_head_weight.shape[0] != t2d.numel():
-        raise ValueError(
-            f"teacher_from_last_hidden: last_hidden {tuple(last_hidden.shape)}, lm_head {tuple(lm_head_weight.shape)} "
-            f"and t2d [{t2d.numel()}] do not fit together"
+    def forward(self, batch: Batch) -> TTTOutput:
+        return ttt_forward(
+            self.drafter,
+            input_ids=batch.input_ids,
+            aux_hidden=batch.aux_hidden,
+            attention_mask=batch.attention_mask,
+            loss_mask=batch.loss_mask,
+            teacher=self.teacher_targets(batch),
+            steps=self.steps,
+            decay=self.decay,
         )
-    lead = last_hidden.shape[:-1]
-    flat = last_hidden.reshape(-1, last_hidden.shape[-1])
-    device = lm_head_weight.device
-    cols = _draft_columns(t2d, device)
-    n_tok, n_draft = flat.shape[0], cols.numel()
-    target_p = torch.empty((n_tok, n_draft), dtype=torch.float32, device=device)
-    p_on_draft = torch.empty((n_tok, n_draft), dtype=torch.float32, device=device)
-    target_ids = torch.empty((n_tok,), dtype=torch.int64, device=device)
-    for start in range(0, n_tok, chunk_tokens):
-        sl = slice(start, start + chunk_tokens)
-        logits = (flat[sl].to(device=device, dtype=lm_head_weight.dtype) @ lm_head_weight.T).float()
-        lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-        target_ids[sl] = logits.argmax(-1)
-        draft_logits = logits[:, cols]
-        del logits
-        p_on_draft[sl] = torch.exp(draft_logits - lse)
-        target_p[sl] = torch.softmax(draft_logits, dim=-1)
-    return TeacherTargets(
-        target_p=target_p.view(*lead, n_draft),
-        target_ids=target_ids.view(*lead),
-        p_on_draft=p_on_draft.view(*lead, n_draft),
-    )
-
-
-def _draft_columns(t2d: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Target ids of the draft vocab (ascending) on ``device``, cached while t2d is unchanged in place."""
-    try:
-        version = t2d._version
-    except RuntimeError:  # inference tensors carry no version counter: do not cache
-        return torch.nonzero(t2d.to(device)).squeeze(-1)
-    hit = _DRAFT_COLUMNS.get(t2d)
-    if hit is not None and hit[0] == version and hit[1] == device:
-        return hit[2]
-    cols = torch.nonzero(t2d.to(device)).squeeze(-1)
-    _DRAFT_COLUMNS[t2d] = (version, device, cols)
-    return cols

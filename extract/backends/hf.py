@@ -17,8 +17,10 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from extract import layers
+from core import layers
+from core.target_weights import text_config, weight_key_candidates
 from extract.backends.base import Captured, GenerationConfig, TargetBackend, TargetInfo, TeacherSpec
+from extract.model_layout import find_decoder_layers, find_lm_head, find_text_model
 from extract.teacher import chunked_topk_logprobs
 
 log = logging.getLogger(__name__)
@@ -53,8 +55,8 @@ def weight_file_keys(folder: str | Path) -> set[str]:
 
 
 def resolve_weight_keys(config: Any, keys: set[str]) -> tuple[str, str]:
-    """Pick the (embed, lm_head) keys present in ``keys`` from layers.weight_key_candidates."""
-    embed_cands, head_cands = layers.weight_key_candidates(config)
+    """Pick the (embed, lm_head) keys present in ``keys`` from weight_key_candidates."""
+    embed_cands, head_cands = weight_key_candidates(config)
     embed = next((k for k in embed_cands if k in keys), None)
     head = next((k for k in head_cands if k in keys), None)
     if embed is None or head is None:
@@ -71,7 +73,7 @@ def _text_architecture(model: nn.Module, text_cfg: Any, architecture: str) -> st
     inner = getattr(model, "language_model", None)
     if isinstance(inner, nn.Module) and hasattr(inner, "lm_head"):
         return type(inner).__name__
-    name = type(layers.find_text_model(model)).__name__
+    name = type(find_text_model(model)).__name__
     return name[: -len("Model")] + "ForCausalLM" if name.endswith("Model") else architecture
 
 
@@ -135,13 +137,13 @@ class HFTarget(TargetBackend):
         self.model.to(self.device).eval()
 
         config = self.model.config
-        text_cfg = layers.text_config(config)
+        text_cfg = text_config(config)
         for key in ("final_logit_softcapping", "logit_scale"):
             if getattr(text_cfg, key, None) not in (None, 1.0):
                 raise ValueError(f"{folder}/config.json: {key}={getattr(text_cfg, key)} is not supported by the teacher")
-        self.text_model = layers.find_text_model(self.model)
-        self.decoder_layers = layers.find_decoder_layers(self.model)
-        self.lm_head = layers.find_lm_head(self.model)
+        self.text_model = find_text_model(self.model)
+        self.decoder_layers = find_decoder_layers(self.model)
+        self.lm_head = find_lm_head(self.model)
         num_layers = int(text_cfg.num_hidden_layers)
         if len(self.decoder_layers) != num_layers:
             raise ValueError(f"config says {num_layers} layers but the model has {len(self.decoder_layers)}")

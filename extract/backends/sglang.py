@@ -40,7 +40,8 @@ from typing import Any
 
 import torch
 
-from extract import layers
+from core import layers
+from core.target_weights import text_config
 from extract.backends.base import Captured, GenerationConfig, TargetBackend, TargetInfo, TeacherSpec
 
 log = logging.getLogger(__name__)
@@ -96,7 +97,7 @@ def build_engine_kwargs(
 ) -> dict[str, Any]:
     """``sglang.Engine(**kwargs)`` arguments for capture-only aux extraction.
 
-    ``engine_layer_ids`` are already in SGLang's convention (``extract.layers.to_engine_layer_ids``).
+    ``engine_layer_ids`` are already in SGLang's convention (``core.layers.to_engine_layer_ids``).
     """
     kwargs: dict[str, Any] = {
         "model_path": str(model_path),
@@ -361,7 +362,7 @@ def read_target_info(
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder}: not a local model folder (no config.json); redraft never downloads")
     cfg, raw = _load_config(folder, trust_remote_code)
-    text_cfg = layers.text_config(cfg)
+    text_cfg = text_config(cfg)
     wrapped = text_cfg is not cfg
     archs = raw.get("architectures") or []
     if not archs:

@@ -70,14 +70,3 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
 def atomic_write_text(path: str | Path, text: str) -> None:
     with atomic_open(path, "w", encoding="utf-8") as f:
         f.write(text)
-
-
-def atomic_write_png(fig: Any, path: str | Path, dpi: int = 110) -> None:
-    """Save a matplotlib figure as PNG through atomic_open, then close it (also when saving fails)."""
-    import matplotlib.pyplot as plt
-
-    try:
-        with atomic_open(path, "wb") as f:
-            fig.savefig(f, format="png", dpi=dpi)
-    finally:
-        plt.close(fig)

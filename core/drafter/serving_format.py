@@ -9,7 +9,7 @@ table both formats are checked against (:func:`check_serving_state`), on export 
 The two formats share the tensors (un-prefixed ``midlayer.*``, ``fc``, ``norm``, ``lm_head``,
 ``d2t``, ``t2d``; both engines drop ``t2d``). They differ in ``config.json``: the aux layer ids
 are written in the chosen engine's convention for the target's architecture
-(``extract.layers.to_engine_layer_ids``), e.g. a Llama target's ``[1, 14, 26]`` for SGLang is
+(``core.layers.to_engine_layer_ids``), e.g. a Llama target's ``[1, 14, 26]`` for SGLang is
 ``[2, 15, 27]`` for vLLM, while the DeepSeek/Kimi family is ``[2, 30, 58]`` for both.
 
 Only the SGLang/SpecForge layout is read back (``LlamaForCausalLMEagle3`` with a nested
@@ -27,14 +27,15 @@ from typing import Any
 
 import torch
 
-from extract.layers import ENGINES, default_aux_layer_ids, from_engine_layer_ids, to_engine_layer_ids
-from train.drafter import EMBED_KEY, DrafterConfig
+from core.drafter.config import DrafterConfig
+from core.drafter.vocab import check_vocab_mapping
+from core.layers import ENGINES, default_aux_layer_ids, from_engine_layer_ids, to_engine_layer_ids
 
 log = logging.getLogger(__name__)
 
 SERVING_ARCH = "LlamaForCausalLMEagle3"
 FORMATS = ENGINES  # ("sglang", "vllm"): one serving format per engine
-WEIGHTS_NAME = "model.safetensors"
+EMBED_KEY = "embed_tokens.weight"  # the target's embedding: never in a serving checkpoint
 
 # config.json switches of newer EAGLE-3 variants that this drafter does not implement; written as
 # false on export, refused when true on import (norm_before_residual: vLLM only; SGLang never reads it).
@@ -157,8 +158,6 @@ def check_serving_state(
             if bad:
                 problems.append(f"key {key!r}: {bad} of {t.numel()} values are NaN or Inf")
     if not problems and "d2t" in state:
-        from train.vocab import check_vocab_mapping
-
         try:
             check_vocab_mapping(state["d2t"], state["t2d"], cfg.vocab_size)
         except ValueError as e:
@@ -303,7 +302,7 @@ def drafter_config_from_serving(
     """DrafterConfig of a foreign drafter's config.json (SGLang/SpecForge layout only).
 
     A serving config lacks the target's facts, so the caller names the target architecture (which
-    decides how the ids are read, see ``extract.layers``) and its layer count (for SGLang's
+    decides how the ids are read, see ``core.layers``) and its layer count (for SGLang's
     default ids when the config has none). ``engine`` is the convention the ids were written in.
     """
     _check_format(engine)

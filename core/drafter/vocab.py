@@ -75,9 +75,3 @@ def draft_token_ids(d2t: torch.Tensor) -> torch.Tensor:
     """Target ids of the draft vocab, in draft order: arange(N) + d2t."""
     return torch.arange(d2t.numel(), dtype=torch.int64, device=d2t.device) + d2t.to(torch.int64)
 
-
-def target_to_draft(t2d: torch.Tensor) -> torch.Tensor:
-    """int64 [V]: draft id of each target id, -1 where the token is not in the draft vocab."""
-    t2d = t2d.to(torch.bool)
-    idx = torch.cumsum(t2d.to(torch.int64), dim=0) - 1
-    return torch.where(t2d, idx, torch.full_like(idx, -1))

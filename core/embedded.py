@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from extract.atomic import atomic_open
+from core.atomic import atomic_open
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,84 @@
+"""What every command line shares: one error type for bad options, YAML config files, flag spelling.
+
+Every stage reads ``--config FILE.yaml`` whose keys are its options' names, refuses unknown keys by
+name (a misspelt key silently changes what runs), and spells flags with hyphens
+(``--max-new-tokens``); the underscore spelling (``--max_new_tokens``) is accepted everywhere too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad option value or an unknown key; the message names the key and the file."""
+
+
+def read_yaml_mapping(path: Path) -> dict[str, Any]:
+    """A YAML file of option: value pairs; errors name the file."""
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of option: value")
+    return raw
+
+
+def hyphenate_flags(argv: Sequence[str]) -> list[str]:
+    """``--max_new_tokens 8`` -> ``--max-new-tokens 8`` (values, and anything after ``--``, untouched)."""
+    out: list[str] = []
+    rest = False
+    for tok in argv:
+        if rest or not tok.startswith("--") or tok == "--":
+            rest = rest or tok == "--"
+            out.append(tok)
+            continue
+        name, eq, value = tok[2:].partition("=")
+        out.append("--" + name.replace("_", "-") + eq + value)
+    return out
+
+
+def parse_hyphenated(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """``parser.parse_args`` that also accepts the underscore spelling of every flag."""
+    return parser.parse_args(hyphenate_flags(sys.argv[1:] if argv is None else argv))
+
+
+def parse_args_with_config(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """argparse plus `--config FILE.yaml`: the file's keys are the options' names, flags override it.
+
+    Used by the eval/export command lines so a cluster's settings live in configs/ like the
+    extract and train ones; an unknown key is refused naming the key and the file.
+    """
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config")
+    argv = hyphenate_flags(sys.argv[1:] if argv is None else argv)
+    known, _ = pre.parse_known_args(argv)
+    if known.config:
+        path = Path(known.config)
+        raw = read_yaml_mapping(path)
+        actions = {a.dest: a for a in parser._actions if a.option_strings and a.dest not in ("help", "config")}
+        values = {}
+        for key, value in raw.items():
+            name = str(key).replace("-", "_")
+            if name not in actions:
+                raise ConfigError(f"{path}: unknown key {key!r} (known: {', '.join(sorted(actions))})")
+            action = actions[name]
+            if action.type is not None and value is not None and not isinstance(value, bool):
+                value = action.type(value)
+            if action.choices is not None and value not in action.choices:
+                raise ConfigError(f"{path}: key {key!r}: expected one of {list(action.choices)}, got {value!r}")
+            action.required = False
+            values[name] = value
+        parser.set_defaults(**values)
+    if not any(a.dest == "config" for a in parser._actions):
+        parser.add_argument("--config", help="YAML file whose keys are these options' names; flags override it.")
+    return parse_hyphenated(parser, argv)

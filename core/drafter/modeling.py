@@ -1,0 +1,337 @@
+"""The one EAGLE-3 drafter definition; training, evaluation and export all build it from here.
+
+Parameter and buffer names are the serving names (SGLang/vLLM ``LlamaForCausalLMEagle3`` and
+SpecForge's checkpoint layout), so a state dict goes to a checkpoint without renaming:
+``fc``, ``midlayer.{hidden_norm,input_layernorm,post_attention_layernorm}``,
+``midlayer.self_attn.{q,k,v,o}_proj``, ``midlayer.mlp.{gate,up,down}_proj``, ``norm``,
+``lm_head`` and the buffers ``d2t`` (offsets, target id = draft id + d2t[draft id]) and
+``t2d`` (bool mask over the target vocab). ``embed_tokens`` is the target's frozen input
+embedding; serving replaces it with the target's own, so it is never saved.
+
+One step, :meth:`Eagle3Drafter.forward` (the math matches SpecForge 0.2.0 to fp32 rounding, see
+../shared/tools/README-specforge-reference.md):
+
+    x  = cat(input_layernorm(embed(ids)), hidden_norm(h))          # embedding first, width 2H
+    h1 = h + o_proj(attention(x))                                   # residual over the un-normed h
+    h2 = h1 + down(act(gate(y)) * up(y)),  y = post_attention_layernorm(h1)
+    logits = lm_head(norm(h2))                                      # h2 (pre-norm) is fed back
+
+Attention runs over a :class:`~core.drafter.ttt_attention.TTTCache` (causal over the first
+step's keys, plus each later step's same-position key): the training-time-test unroll and an
+engine's chain drafting see the same pattern, so training (train.ttt) and offline evaluation
+(eval.simulate) call the same forward.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+
+from core.drafter.config import DrafterConfig
+from core.drafter.serving_format import EMBED_KEY, canonical_key
+from core.drafter.ttt_attention import ATTENTION_IMPLS, TTTCache, ttt_attention
+from core.drafter.vocab import check_vocab_mapping
+from core.target_weights import read_target_tensor
+
+log = logging.getLogger(__name__)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 whatever the input dtype (as SpecForge and HF Llama do)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class DrafterAttention(nn.Module):
+    """q/k/v read the 2H-wide [embedding, hidden] concatenation; GQA; RoPE; no biases."""
+
+    def __init__(self, cfg: DrafterConfig, impl: str = "eager") -> None:
+        super().__init__()
+        if impl not in ATTENTION_IMPLS:
+            raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
+        h, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.impl = impl
+        self.num_heads, self.num_kv_heads, self.head_dim = nh, nkv, hd
+        self.q_proj = nn.Linear(2 * h, nh * hd, bias=False)
+        self.k_proj = nn.Linear(2 * h, nkv * hd, bias=False)
+        self.v_proj = nn.Linear(2 * h, nkv * hd, bias=False)
+        self.o_proj = nn.Linear(nh * hd, h, bias=False)
+
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotated q [B, T, n_kv, groups, hd] and k, v [B, T, n_kv, hd] from x [B, T, 2H].
+
+        ``cos``/``sin`` [B, T, hd] come in fp32 and are cast to the projections' dtype (autocast may
+        make it lower than the input's).
+
+        q is grouped by kv head (head h uses kv head h // groups, as repeat_kv does), so every
+        attention pattern (the TTT cache here, the tree mask in eval.simulate) shares this projection.
+        """
+        bsz, seq = x.shape[:2]
+        nkv, hd = self.num_kv_heads, self.head_dim
+        q = self.q_proj(x).view(bsz, seq, nkv, self.num_heads // nkv, hd)
+        k = self.k_proj(x).view(bsz, seq, nkv, hd)
+        v = self.v_proj(x).view(bsz, seq, nkv, hd)
+        cos_k, sin_k = cos.to(q.dtype)[:, :, None], sin.to(q.dtype)[:, :, None]
+        k = k * cos_k + _rotate_half(k) * sin_k
+        q = q * cos_k[:, :, None] + _rotate_half(q) * sin_k[:, :, None]
+        return q, k, v
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: TTTCache,
+        attention_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """o_proj(attention) [B, T, H]; this step's keys and values are appended to ``cache``."""
+        q, k, v = self.project(x, cos, sin)
+        return self.o_proj(ttt_attention(q, k, v, cache, attention_mask, self.impl))
+
+
+class DrafterMLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.act = ACT2FN[cfg.hidden_act]
+
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(y)) * self.up_proj(y))
+
+
+class DrafterLayer(nn.Module):
+    """The one decoder layer ("midlayer"): attention over [norm(embedding), norm(hidden)], then the MLP."""
+
+    def __init__(self, cfg: DrafterConfig, attention_impl: str = "eager") -> None:
+        super().__init__()
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DrafterAttention(cfg, attention_impl)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = DrafterMLP(cfg)
+
+    def attention_input(self, emb: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """x = cat(input_layernorm(embedding), hidden_norm(hidden)) [B, T, 2H]: the embedding comes first."""
+        return torch.cat((self.input_layernorm(emb.to(hidden.dtype)), self.hidden_norm(hidden)), dim=-1)
+
+    def feed_forward(self, h1: torch.Tensor) -> torch.Tensor:
+        """h2 = h1 + mlp(post_attention_layernorm(h1))."""
+        return h1 + self.mlp(self.post_attention_layernorm(h1))
+
+    def forward(
+        self, emb: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: TTTCache,
+        attention_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """h2 [B, T, H]: residual over the un-normed ``hidden``."""
+        h1 = hidden + self.self_attn(self.attention_input(emb, hidden), cos, sin, cache, attention_mask)
+        return self.feed_forward(h1)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def compute_inv_freq(cfg: DrafterConfig) -> tuple[torch.Tensor, float]:
+    """RoPE inverse frequencies and cos/sin scale, via transformers' ROPE_INIT_FUNCTIONS for scaled types.
+
+    ``dynamic`` is evaluated at its initial length (no NTK growth with the sequence), which
+    is what a fixed-length training run and SGLang's drafter see below max_position_embeddings.
+    """
+    hd = cfg.head_dim
+    if cfg.rope_scaling is None:
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+        return inv, 1.0
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = dict(cfg.rope_scaling)
+    rope_type = params.pop("rope_type", None) or params.pop("type")
+    params.pop("type", None)
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"rope_scaling type {rope_type!r} is not supported; known: {sorted(ROPE_INIT_FUNCTIONS)}")
+    hf_cfg = LlamaConfig(
+        hidden_size=cfg.num_attention_heads * hd,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        head_dim=hd,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rope_parameters={"rope_type": rope_type, "rope_theta": cfg.rope_theta, **params},
+    )
+    inv, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_cfg, torch.device("cpu"))
+    return inv.float(), float(scale)
+
+
+class Eagle3Drafter(nn.Module):
+    """One-layer EAGLE-3 drafter (Llama-style layer whose attention reads [embedding, hidden])."""
+
+    def __init__(self, config: DrafterConfig, attention_impl: str = "eager") -> None:
+        """attention_impl: "eager" (explicit scores, SpecForge's sdpa-path math; the reference) or
+        "sdpa" (torch SDPA over the concatenated step keys with a [T, (k+1)T] mask: never holds
+        the [T, T] score matrix on GPU kernels that support masks; same math, other rounding)."""
+        super().__init__()
+        self.config = config
+        c = config
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.fc = nn.Linear(c.num_aux_layers * c.target_hidden_size, c.hidden_size, bias=False)
+        self.midlayer = DrafterLayer(c, attention_impl)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
+        # identity mapping until set_vocab_mapping: valid only when Vd == V, which is the point
+        self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.int64))
+        t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
+        t2d[: c.draft_vocab_size] = True
+        self.register_buffer("t2d", t2d)
+        # Kept out of the buffers on purpose: Module.to(bfloat16) would round the frequencies.
+        self._inv_freq, self._rope_scale = compute_inv_freq(c)
+        self._inv_freq_dev: dict[torch.device, torch.Tensor] = {}
+
+    @property
+    def attention_impl(self) -> str:
+        return self.midlayer.self_attn.impl
+
+    @attention_impl.setter
+    def attention_impl(self, impl: str) -> None:
+        if impl not in ATTENTION_IMPLS:
+            raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
+        self.midlayer.self_attn.impl = impl
+
+    # ------------------------------------------------------------------ state
+    def serving_state_dict(self) -> dict[str, torch.Tensor]:
+        """Exactly the keys a serving checkpoint holds (no embed_tokens), contiguous and detached."""
+        return {k: v.detach().contiguous() for k, v in self.state_dict().items() if k != EMBED_KEY}
+
+    def load_serving_state_dict(self, sd: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+        """Load serving weights; ``embed_tokens.weight`` may be present or absent.
+
+        Also accepts SGLang-style names (``model.`` prefix, ``layers.0.`` for ``midlayer.``).
+        Shape mismatches are always errors; missing/unexpected keys are errors when strict.
+        """
+        own = self.state_dict()
+        normalised: dict[str, torch.Tensor] = {}
+        for key, tensor in sd.items():
+            name = canonical_key(key)
+            if name in normalised:
+                raise ValueError(f"load_serving_state_dict: keys {key!r} and another both map to {name!r}")
+            normalised[name] = tensor
+        expected = set(own) - {EMBED_KEY}
+        missing = sorted(expected - set(normalised))
+        unexpected = sorted(set(normalised) - set(own))
+        bad_shapes = [f"{k}: checkpoint {tuple(v.shape)} vs model {tuple(own[k].shape)}"
+                      for k, v in normalised.items() if k in own and tuple(v.shape) != tuple(own[k].shape)]
+        problems = []
+        if bad_shapes:
+            problems.append("shape mismatches: " + "; ".join(bad_shapes))
+        if strict and missing:
+            problems.append(f"missing keys: {missing}")
+        if strict and unexpected:
+            problems.append(f"unexpected keys: {unexpected}")
+        if problems:
+            raise ValueError("load_serving_state_dict: " + " | ".join(problems))
+        if missing:
+            log.warning("load_serving_state_dict: missing keys left as initialised: %s", missing)
+        if unexpected:
+            log.warning("load_serving_state_dict: ignoring unexpected keys: %s", unexpected)
+        with torch.no_grad():
+            for k, v in normalised.items():
+                if k in own:
+                    own[k].copy_(v.to(device=own[k].device))
+        if "d2t" in normalised or "t2d" in normalised:
+            check_vocab_mapping(self.d2t, self.t2d, self.config.vocab_size)
+
+    def load_target_embedding(self, target_path: str | Path, key_candidates: Sequence[str]) -> str:
+        """Copy the target's input embedding into embed_tokens, reading only that tensor.
+
+        Looks in ``*.safetensors.index.json`` weight maps first, then in every ``*.safetensors``
+        file of the folder (or the file itself). Returns the key used.
+        """
+        weight, key = read_target_tensor(target_path, key_candidates)
+        want = tuple(self.embed_tokens.weight.shape)
+        if tuple(weight.shape) != want:
+            raise ValueError(f"load_target_embedding: {target_path}:{key} has shape {tuple(weight.shape)}, "
+                             f"drafter wants {want}")
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(weight.to(self.embed_tokens.weight.device))
+        log.info("loaded target embedding %s from %s", key, target_path)
+        return key
+
+    def set_vocab_mapping(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        c = self.config
+        if tuple(d2t.shape) != (c.draft_vocab_size,) or tuple(t2d.shape) != (c.vocab_size,):
+            raise ValueError(
+                f"set_vocab_mapping: got d2t {tuple(d2t.shape)} and t2d {tuple(t2d.shape)}, "
+                f"drafter wants ({c.draft_vocab_size},) and ({c.vocab_size},)"
+            )
+        check_vocab_mapping(d2t, t2d, c.vocab_size)
+        with torch.no_grad():
+            self.d2t.copy_(d2t.to(torch.int64))
+            self.t2d.copy_(t2d.to(torch.bool))
+
+    # ------------------------------------------------------------------ math
+    def project(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        """fc over the concatenated aux layers [.., n_aux*Ht] -> [.., H]."""
+        return self.fc(aux_hidden.to(self.fc.weight.dtype))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """lm_head(norm(hidden)) over the draft vocab."""
+        return self.lm_head(self.norm(hidden))
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Engines' convention: target_id = draft_id + d2t[draft_id]."""
+        return draft_ids + self.d2t[draft_ids]
+
+    def rope_cos_sin(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [B, T, head_dim] for integer positions, computed in fp32 then cast."""
+        dev = position_ids.device
+        inv = self._inv_freq_dev.get(dev)
+        if inv is None:
+            inv = self._inv_freq_dev[dev] = self._inv_freq.to(dev)
+        freqs = position_ids.to(torch.float32)[..., None] * inv
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self._rope_scale).to(dtype), (emb.sin() * self._rope_scale).to(dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: TTTCache,
+        attention_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """One midlayer application over [B, T] positions; returns h2 (pre-norm) and appends K/V to cache.
+
+        With an empty cache the step attends causally over its own keys (masked by
+        ``attention_mask`` [B, T], 1 = real token). Otherwise it attends causally over the
+        cached first-step keys plus the same-position keys of every later step, this one included.
+        """
+        cos, sin = self.rope_cos_sin(position_ids, torch.float32)
+        return self.midlayer(self.embed_tokens(input_ids), hidden, cos, sin, cache, attention_mask)
+
+    def attention_inputs(
+        self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The midlayer up to attention, for attention patterns other than the TTT cache (eval.simulate's
+        tree): rotated q [B, T, n_kv, groups, hd] and k, v [B, T, n_kv, hd]."""
+        mid = self.midlayer
+        cos, sin = self.rope_cos_sin(position_ids, torch.float32)
+        return mid.self_attn.project(mid.attention_input(self.embed_tokens(input_ids), hidden), cos, sin)
+
+    def layer_output(self, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """The midlayer after attention: o_proj, residual, MLP; ``attn_out`` [B, T, heads*hd] -> h2 [B, T, H]."""
+        mid = self.midlayer
+        return mid.feed_forward(hidden + mid.self_attn.o_proj(attn_out))

@@ -1,0 +1,196 @@
+"""Attention inside a training-time-test (TTT) unroll: a cache of each step's keys and its kernels.
+
+The first step's keys are attended causally (plus key padding); every later step adds only its
+own same-position ("diagonal") key. That is also the pattern of chain drafting in an engine (the
+drafter's keys for positions <= t come from the target's features, the later ones are its own),
+so training and offline evaluation share this code. Two implementations of the same math:
+``eager`` (a hand-written autograd kernel, the reference numerics) and ``sdpa`` (torch SDPA over
+the concatenated step keys, for GPU kernels that take masks).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+ATTENTION_IMPLS = ("eager", "sdpa")
+
+
+@dataclass
+class TTTCache:
+    """Keys/values of the steps run so far, unrepeated over GQA groups: [B, n_kv, T, head_dim] each.
+
+    Entry 0 holds the first step's keys (attended causally); entry j >= 1 holds step j's keys,
+    which later steps attend only at the same position (the "diagonal").
+    """
+
+    keys: list[torch.Tensor] = field(default_factory=list)
+    values: list[torch.Tensor] = field(default_factory=list)
+    # (attention_mask it was built from, seq, dtype, additive mask [B|1, 1, 1, T, T], rows with no step-0 key
+    # [B|1, 1, 1, T, 1] or None): the step-0 causal + key-padding mask is the same at every step of an
+    # unroll, so it is built once.
+    mask_bias: tuple[Any, int, torch.dtype, torch.Tensor, torch.Tensor | None] | None = field(default=None, repr=False)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def causal_bias(self, seq: int, attention_mask: torch.Tensor | None, dtype: torch.dtype,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Additive mask (0 allowed, dtype's min elsewhere) for the step-0 keys and its all-masked rows
+        (None without an attention mask), cached per unroll."""
+        cached = self.mask_bias
+        if cached is not None and cached[0] is attention_mask and cached[1] == seq and cached[2] == dtype:
+            return cached[3], cached[4]
+        allowed = _causal_allowed(seq, attention_mask, device)
+        allowed = allowed[:, None, None] if allowed.dim() == 3 else allowed[None, None, None]
+        bias = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
+        dead = None if attention_mask is None else ~allowed.any(-1, keepdim=True)
+        self.mask_bias = (attention_mask, seq, dtype, bias, dead)
+        return bias, dead
+
+
+def ttt_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: TTTCache, attention_mask: torch.Tensor | None,
+    impl: str = "eager",
+) -> torch.Tensor:
+    """Append this step's k, v [B, T, n_kv, hd] to ``cache`` and attend with q [B, T, n_kv, g, hd].
+
+    Returns [B, T, heads * hd]. With an empty cache the step attends causally over its own keys
+    (masked by ``attention_mask`` [B, T], 1 = real token); otherwise over the cached first-step keys
+    plus the same-position keys of every later step, this one included.
+    """
+    bsz, seq = q.shape[:2]
+    qh = q.permute(0, 2, 3, 1, 4)  # [B, n_kv, groups, T, hd]
+    cache.keys.append(k.transpose(1, 2))  # [B, n_kv, T, hd]
+    cache.values.append(v.transpose(1, 2))
+    if impl == "sdpa":
+        out = _sdpa_attention(qh, cache, attention_mask)
+    else:
+        out = _eager_attention(qh, cache, attention_mask)
+    return out.permute(0, 3, 1, 2, 4).reshape(bsz, seq, -1)
+
+
+def _causal_allowed(seq: int, attention_mask: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """bool [T, T] or [B, T, T]: query i may see step-0 key j iff j <= i and j is a real token."""
+    allowed = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
+    if attention_mask is not None:
+        allowed = allowed[None] & attention_mask.to(device=device, dtype=torch.bool)[:, None, :]
+    return allowed
+
+
+def _eager_attention(q: torch.Tensor, cache: TTTCache, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """q [B, n_kv, g, T, hd] -> [B, n_kv, g, T, hd]; causal scores over step-0 keys + diagonal columns."""
+    seq = q.shape[-2]
+    bias, dead = cache.causal_bias(seq, attention_mask, torch.promote_types(q.dtype, torch.float32), q.device)
+    return _TTTAttention.apply(q, bias, dead, len(cache.keys) - 1, *cache.keys, *cache.values)
+
+
+class _TTTAttention(torch.autograd.Function):
+    """One softmax over [causal step-0 keys | k diagonal keys] with a hand-written backward.
+
+    Why: autograd over the plain expression materialises the [T, T] block five or six times per
+    step (scale, mask, concatenation with the diagonal, softmax, slicing, and the backward of
+    each). Here the block is written by a matmul, masked in place and passed through one
+    ``torch.softmax`` (whose vectorised exp is several times faster than ``exp_`` on CPU); the
+    diagonal keys join through the block's logsumexp (read off the softmax at its maximum), which
+    rescales only [T, hd]-sized tensors. The backward uses FlashAttention's identity
+    rowsum(P * dP) = rowsum(dO * O), so the block is touched only by the matmuls and two in-place
+    passes. The [T, T] math runs in fp32 or wider (as the reference softmax did); the matmuls run
+    in q's dtype. GQA groups are folded into the matmul rows ([B*n_kv, g*T, hd]), which also sums
+    the key/value gradients over the groups. Like masked_fill, the mask passes no gradient: a
+    query row with no visible key (padding, step 0) gets uniform weights and no score gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, q, bias, dead, n_diag, *kv):  # type: ignore[override]
+        bsz, nkv, groups, seq, hd = q.shape
+        keys, values = kv[: n_diag + 1], kv[n_diag + 1:]
+        dt, acc = q.dtype, bias.dtype
+        qs = q * (1.0 / math.sqrt(hd))
+        k0 = keys[0].reshape(bsz * nkv, seq, hd)
+        v0 = values[0].reshape(bsz * nkv, seq, hd)
+        s0 = torch.bmm(qs.reshape(bsz * nkv, groups * seq, hd), k0.transpose(1, 2))
+        s0 = s0.view(bsz, nkv, groups, seq, seq).to(acc).add_(bias)
+        m0 = s0.amax(-1)  # [B, n_kv, g, T]
+        p0 = torch.softmax(s0, dim=-1)  # over the step-0 keys alone
+        del s0
+        out = torch.bmm(p0.view(bsz * nkv, groups * seq, seq).to(dt), v0).view(bsz, nkv, groups, seq, hd)
+        w0 = pd = None
+        if n_diag:
+            lse0 = m0 - p0.amax(-1).log()  # p0's maximum is exp(m0 - lse0)
+            dg = torch.stack([(qs * kj[:, :, None]).sum(-1) for kj in keys[1:]], dim=-1).to(acc)  # [.., T, k]
+            lse = torch.logsumexp(torch.cat((lse0[..., None], dg), dim=-1), dim=-1)
+            w0 = torch.exp(lse0 - lse)[..., None]  # share of the step-0 keys in the joint softmax
+            pd = torch.exp(dg - lse[..., None])  # probabilities of the diagonal keys
+            out = out * w0.to(dt)
+            for j, vj in enumerate(values[1:]):
+                out = out + pd[..., j : j + 1].to(dt) * vj[:, :, None]
+        ctx.n_diag = n_diag
+        ctx.dead = dead if n_diag == 0 else None  # with diagonal keys no row is empty
+        ctx.save_for_backward(qs, p0, out, *(() if w0 is None else (w0, pd)), *kv)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):  # type: ignore[override]
+        n_diag = ctx.n_diag
+        saved = ctx.saved_tensors
+        qs, p0, out = saved[:3]
+        w0 = pd = None
+        if n_diag:
+            w0, pd = saved[3:5]
+        kv = saved[5:] if n_diag else saved[3:]
+        keys, values = kv[: n_diag + 1], kv[n_diag + 1:]
+        bsz, nkv, groups, seq, hd = qs.shape
+        dt, acc = qs.dtype, p0.dtype
+        dout = dout.to(dt)
+        rowdot = (dout.to(acc) * out.to(acc)).sum(-1, keepdim=True)  # [.., T, 1] = rowsum(P * dP), all keys
+        # step-0 block: P0 = w0 * p0, so scale dO (small) instead of the [T, T] block
+        do0 = dout if w0 is None else dout * w0.to(dt)
+        do3 = do0.reshape(bsz * nkv, groups * seq, hd)
+        k0 = keys[0].reshape(bsz * nkv, seq, hd)
+        v0 = values[0].reshape(bsz * nkv, seq, hd)
+        p3 = p0.view(bsz * nkv, groups * seq, seq)
+        dv0 = torch.bmm(p3.to(dt).transpose(1, 2), do3)  # [B*n_kv, T, hd], summed over the groups
+        dp = torch.bmm(do3, v0.transpose(1, 2)).to(acc).view(bsz, nkv, groups, seq, seq)
+        ds = dp.sub_(rowdot if w0 is None else rowdot * w0).mul_(p0)
+        if ctx.dead is not None:
+            ds.masked_fill_(ctx.dead, 0.0)
+        ds3 = ds.view(bsz * nkv, groups * seq, seq).to(dt)
+        dqs = torch.bmm(ds3, k0).view(bsz, nkv, groups, seq, hd)
+        dk0 = torch.bmm(ds3.transpose(1, 2), qs.reshape(bsz * nkv, groups * seq, hd))
+        dkeys = [dk0.view(bsz, nkv, seq, hd)]
+        dvalues = [dv0.view(bsz, nkv, seq, hd)]
+        if n_diag:
+            dpd = torch.stack([(dout * vj[:, :, None]).sum(-1) for vj in values[1:]], dim=-1).to(acc)
+            dsd = pd * (dpd - rowdot)  # [.., T, k]
+            for j in range(n_diag):
+                w = dsd[..., j : j + 1].to(dt)
+                dqs = dqs + w * keys[1 + j][:, :, None]
+                dkeys.append((w * qs).sum(2))
+                dvalues.append((pd[..., j : j + 1].to(dt) * dout).sum(2))
+        dq = dqs * (1.0 / math.sqrt(hd))
+        return (dq, None, None, None, *dkeys, *dvalues)
+
+
+def _sdpa_attention(q: torch.Tensor, cache: TTTCache, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """Same attention as _eager_attention via F.scaled_dot_product_attention over [k0 | k1 | ... | kk]."""
+    bsz, nkv, groups, seq, hd = q.shape
+    steps = len(cache.keys)
+    allowed = _causal_allowed(seq, attention_mask, q.device)
+    if allowed.dim() == 2:
+        allowed = allowed[None]
+    allowed = allowed.clone()
+    allowed[..., 0] = True  # no-op for real rows (key 0 is real); avoids NaN rows in all-padding samples
+    if steps > 1:
+        eye = torch.eye(seq, dtype=torch.bool, device=q.device).expand(allowed.shape[0], seq, seq)
+        allowed = torch.cat([allowed, *([eye] * (steps - 1))], dim=-1)  # [B|1, T, steps*T]
+    keys = torch.cat(cache.keys, dim=2).repeat_interleave(groups, dim=1)  # [B, heads, steps*T, hd]
+    values = torch.cat(cache.values, dim=2).repeat_interleave(groups, dim=1)
+    out = F.scaled_dot_product_attention(
+        q.reshape(bsz, nkv * groups, seq, hd), keys, values, attn_mask=allowed[:, None], scale=1.0 / math.sqrt(hd)
+    )
+    return out.view(bsz, nkv, groups, seq, hd)

@@ -1,0 +1,51 @@
+"""Every command line spells its flags with hyphens in --help and accepts the underscore spelling too."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from core.config import hyphenate_flags, parse_args_with_config, parse_hyphenated
+
+PARSERS = {
+    "python -m extract": "extract.config",
+    "python -m extract.verify": "extract.verify",
+    "train/main.py": "train.config",
+    "python -m eval.acceptance": "eval.acceptance",
+    "python -m eval.export": "eval.export",
+    "python -m eval.serving": "eval.serving",
+    "python -m eval.verify_engine": "eval.verify_engine",
+}
+
+
+@pytest.mark.parametrize("command", sorted(PARSERS))
+def test_help_spells_flags_with_hyphens(command):
+    module = __import__(PARSERS[command], fromlist=["build_parser"])
+    text = module.build_parser().format_help()
+    flags = re.findall(r"(?<![\w-])--[A-Za-z][\w-]*", text)
+    assert flags, command
+    assert not [f for f in flags if "_" in f], f"{command} --help spells flags with underscores"
+
+
+def test_hyphenate_flags_leaves_values_and_positionals_alone():
+    argv = ["ckpt_dir", "--max_new_tokens", "8", "--out=runs/a_b", "--data", "x_y.jsonl", "--", "--keep_me"]
+    assert hyphenate_flags(argv) == ["ckpt_dir", "--max-new-tokens", "8", "--out=runs/a_b", "--data", "x_y.jsonl",
+                                     "--", "--keep_me"]
+
+
+def test_underscore_spelling_is_accepted_everywhere(tmp_path):
+    from eval.acceptance import build_parser as acceptance_parser
+    from eval.verify_engine import build_parser as verify_engine_parser
+    from extract.config import parse_args as extract_args
+    from train.config import load_config
+
+    cfg = extract_args(["--target", "t", "--data", "d", "--out", "o", "--max_new_tokens", "5", "--max-user-turns", "2"])
+    assert (cfg.max_new_tokens, cfg.max_user_turns) == (5, 2)
+    train = load_config(None, ["--data", "d", "--out", "o", "--max_steps", "3", "--ttt-steps", "4"])
+    assert (train.max_steps, train.ttt_steps) == (3, 4)
+    acc = parse_args_with_config(acceptance_parser(), ["ckpt", "--data", "d", "--num_draft_tokens", "6",
+                                                       "--batch-tokens", "9"])
+    assert (acc.num_draft_tokens, acc.batch_tokens) == (6, 9)
+    ve = parse_hyphenated(verify_engine_parser(), ["folder", "--engine", "vllm", "--context_length", "64"])
+    assert ve.context_length == 64
