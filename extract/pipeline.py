@@ -272,15 +272,18 @@ def extract_shard(
         records = _regenerated_shard(cfg, out, shard, records, backend)
     skipped: Counter = Counter()
     items = _items(cfg, backend.tokenizer, records)
-    # Progress counts records: a record is done when its last capture sequence is.
+    # Progress counts records (a conversation may give several samples): done with its last sample.
     left = Counter(id(it.record) for it in items)
-    progress.update(len(records) - len(left))
+
+    def done(i: int) -> None:
+        left[id(items[i].record)] -= 1
+        progress.update(int(left[id(items[i].record)] == 0))
+
     keep = [i for i, it in enumerate(items) if any(it.loss_mask)]
     if len(keep) < len(items):
         skipped["no_loss_tokens"] += len(items) - len(keep)
-        for i in set(range(len(items))) - set(keep):
-            left[id(items[i].record)] -= 1
-            progress.update(int(left[id(items[i].record)] == 0))
+    for i in sorted(set(range(len(items))) - set(keep)):
+        done(i)
     teacher = TeacherSpec(kinds=tuple(cfg.teacher), topk=cfg.topk, chunk_tokens=cfg.chunk_tokens)
     features: dict[int, SampleFeatures] = {}
     for batch in pack_batches([len(items[i].input_ids) for i in keep], cfg.batch_tokens):
@@ -306,8 +309,7 @@ def extract_shard(
             else:
                 log.warning("sample %s (%s): captured features are not finite; skipped", it.sample_id, rec.origin)
                 skipped["non_finite"] += 1
-            left[id(rec)] -= 1
-            progress.update(int(left[id(rec)] == 0))
+            done(i)
         progress.tokens += sum(len(items[i].input_ids) for i in idx)
         progress.set_postfix(tok_s=f"{progress.tokens / max(progress.format_dict['elapsed'], 1e-9):.0f}", refresh=False)
     samples = [features[i] for i in keep if i in features]
