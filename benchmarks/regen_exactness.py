@@ -29,6 +29,7 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,25 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", default=None, help="write the counts here")
     p.add_argument("--show", type=int, default=3, help="print this many mismatched turns in full")
     return p.parse_args(argv)
+
+
+def recording_loader(load: Callable[..., Any], calls: list[tuple[list[int], list[int]]]) -> Callable[..., Any]:
+    """Wrap extract.pipeline.load_backend so the loaded backend's generate appends (prompt, output) pairs
+    to `calls`; the backend itself runs unchanged."""
+
+    def load_and_record(cfg: Any, path: Any) -> Any:
+        backend = load(cfg, path)
+        generate = backend.generate
+
+        def record(prompts, gen, stop_ids):
+            outputs = generate(prompts, gen, stop_ids)
+            calls.extend((list(p), list(o)) for p, o in zip(prompts, outputs, strict=True))
+            return outputs
+
+        backend.generate = record
+        return backend
+
+    return load_and_record
 
 
 def _masked_run(ids: list[int], mask: list[bool], start: int) -> list[int]:
@@ -102,21 +122,7 @@ def main(argv: list[str] | None = None) -> int:
 
     log.info("extraction code: %s", Path(extract.__file__).parent)
     recorded: list[tuple[list[int], list[int]]] = []
-    load = pipeline.load_backend
-
-    def recording_backend(cfg, path):
-        backend = load(cfg, path)
-        generate = backend.generate
-
-        def record(prompts, gen, stop_ids):
-            outputs = generate(prompts, gen, stop_ids)
-            recorded.extend((list(p), list(o)) for p, o in zip(prompts, outputs, strict=True))
-            return outputs
-
-        backend.generate = record
-        return backend
-
-    pipeline.load_backend = recording_backend
+    pipeline.load_backend = recording_loader(pipeline.load_backend, recorded)
     cli = ["--target", args.target, "--data", args.data, "--out", args.out, "--regenerate",
            "--max-user-turns", str(args.max_user_turns), "--max-new-tokens", str(args.max_new_tokens),
            "--teacher", args.teacher, "--rank", "0", "--world-size", "1"]

@@ -22,6 +22,7 @@ from helpers_tokenizers import THINKING_KINDS
 from transformers import AutoTokenizer
 
 import extract.pipeline as pipeline
+from benchmarks.regen_exactness import recording_loader
 from extract.backends.hf import HFTarget
 from extract.chat import encode_prompt, stop_token_ids
 from extract.config import ExtractConfig
@@ -30,7 +31,7 @@ from extract.records import Generation, Message, Record, read_records
 from extract.regenerate import split_reasoning, think_markers
 from extract.store import DatasetReader
 
-# The reply each user turn gets: (reasoning, content, stops, tokenization of the content)
+# User turns of the scripted conversations (ScriptedTarget answers each with fixed ids)
 Q1, Q2, Q3 = "What is 12 times 7?", "Write a short poem about the sea.", "Hello! How are you today?"
 Q_SINGLE = "Speculative decoding drafts tokens."
 EOT = {"kimi_k25": "<|im_end|>", "qwen3": "<|im_end|>", "deepseek_r1": "<｜end▁of▁sentence｜>", "chatml": "<|im_end|>"}
@@ -308,21 +309,7 @@ def test_split_reasoning_conventions():
 def _recording(monkeypatch) -> list[tuple[list[int], list[int]]]:
     """Record what the real backend's generate returns (the backend itself is untouched)."""
     calls: list[tuple[list[int], list[int]]] = []
-    load = pipeline.load_backend
-
-    def load_and_record(cfg, path):
-        backend = load(cfg, path)
-        generate = backend.generate
-
-        def record(prompts, gen, stop_ids):
-            outputs = generate(prompts, gen, stop_ids)
-            calls.extend((list(p), list(o)) for p, o in zip(prompts, outputs, strict=True))
-            return outputs
-
-        backend.generate = record
-        return backend
-
-    monkeypatch.setattr(pipeline, "load_backend", load_and_record)
+    monkeypatch.setattr(pipeline, "load_backend", recording_loader(pipeline.load_backend, calls))
     return calls
 
 
