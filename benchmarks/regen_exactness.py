@@ -79,7 +79,7 @@ def _masked_run(ids: list[int], mask: list[bool], start: int) -> list[int]:
 
 
 def compare(samples: list[tuple[str, list[int], list[bool]]], generated: list[tuple[list[int], list[int]]],
-            stops: set[int], max_new_tokens: int) -> dict[str, Any]:
+            stops: set[int]) -> dict[str, Any]:
     """Counts of generated turns stored as generated, over every (prompt, output) the backend returned."""
     counts = {"generated_turns": len(generated), "stored_samples": len(samples), "exact": 0, "mismatched": 0,
               "ids_differ": 0, "eot_added": 0, "not_found": 0, "cut": 0}
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(len(reader)):
         s = reader.get(i)
         samples.append((reader.sample_ids[i], s.input_ids.tolist(), s.loss_mask.bool().tolist()))
-    counts = compare(samples, recorded, stops, args.max_new_tokens)
+    counts = compare(samples, recorded, stops)
     manifest = json.loads((Path(args.out) / "manifest.json").read_text())
     result = {"code": str(Path(extract.__file__).parent.parent), "target": args.target, "data": args.data,
               "max_new_tokens": args.max_new_tokens, "max_user_turns": args.max_user_turns,
