@@ -76,6 +76,15 @@ def encode_prompt(tokenizer: Any, messages: Sequence[Message]) -> list[int]:
     return _encode(tokenizer, _render(tokenizer, _to_dicts(messages), add_generation_prompt=True))
 
 
+def generation_prompt(tokenizer: Any, messages: Sequence[Message]) -> str:
+    """The text the template appends to open the assistant's turn (e.g. ChatML's '<|im_start|>assistant\\n';
+    thinking templates may end it with an open '<think>', so the reply starts inside the reasoning)."""
+    msgs = _to_dicts(messages)
+    with_prompt = _render(tokenizer, msgs, add_generation_prompt=True)
+    without = _render(tokenizer, msgs, add_generation_prompt=False)
+    return with_prompt[_common_prefix_len(with_prompt, without):]
+
+
 def stop_token_ids(tokenizer: Any) -> list[int]:
     """Ids that end an assistant turn: eos first, then known end-of-turn tokens present in the vocab."""
     vocab = tokenizer.get_vocab()

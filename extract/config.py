@@ -50,11 +50,14 @@ class ExtractConfig:
     batch_tokens: int = _opt(8192, "Upper bound on padded tokens in one forward batch.")
     max_samples: int = _opt(0, "Use only the first N valid input records (0: all).")
     strict: bool = _opt(False, "Stop at the first bad input record (exit code 2, nothing written) instead of skipping it.")
-    regenerate: bool = _opt(False, "Let the target write the assistant turns itself, turn by turn, before capture.")
+    regenerate: bool = _opt(False, "Let the target write the assistant turns itself, turn by turn, before capture; "
+                                   "its replies are stored as the token ids it generated (regenerated.jsonl keeps "
+                                   "them next to the text).")
     max_user_turns: int = _opt(0, "Regeneration: answer only the first N user turns of each conversation (0: all).")
     temperature: float = _opt(0.0, "Regeneration temperature (0: greedy).")
     top_p: float = _opt(1.0, "Regeneration nucleus sampling threshold.")
-    max_new_tokens: int = _opt(256, "Regeneration: most new tokens per assistant turn.")
+    max_new_tokens: int = _opt(256, "Regeneration: most new tokens per assistant turn; a reply cut here is "
+                                    "stored as cut (no end-of-turn) and flagged truncated.")
     gen_batch_size: int = _opt(8, "Regeneration: prompts per generate call.")
     seed: int = _opt(0, "Seed for sampled regeneration (each shard derives its own, so reruns reproduce).")
     dtype: str = _opt("float32", "Target compute dtype: float32 or bfloat16.", choices=("float32", "bfloat16"))

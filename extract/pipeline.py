@@ -40,6 +40,13 @@ from core.embedded import resolve_data, resolve_target
 from extract.backends.base import GenerationConfig, TargetBackend, TeacherSpec
 from extract.chat import TokenizedSample, chat_template_hash, tokenize_conversation, tokenizer_hash
 from extract.config import ExtractConfig
+from extract.generated import (
+    ExactnessCounts,
+    GeneratedSample,
+    check_generated,
+    generated_samples,
+    has_generation,
+)
 from extract.records import Record, read_records, write_records_jsonl
 from extract.regenerate import regenerate_records
 
@@ -65,6 +72,7 @@ class ExtractSummary:
     loss_tokens: int = 0
     truncated: int = 0
     skipped: Counter = field(default_factory=Counter)
+    generated: ExactnessCounts = field(default_factory=ExactnessCounts)  # samples captured from generated ids
     bytes_written: int = 0
     seconds: float = 0.0
     manifest: dict[str, Any] | None = None
@@ -74,10 +82,13 @@ class ExtractSummary:
         bpt = self.bytes_written / self.tokens if self.tokens else 0.0
         rate = self.tokens / self.seconds if self.seconds else 0.0
         done = "manifest written" if self.manifest else "waiting for other ranks"
+        g = self.generated
+        exact = (f"{g.samples} samples from generated ids ({g.mismatched_samples} not stored as generated, "
+                 f"{g.cut_samples} holding a reply cut at the token limit); ") if g.samples else ""
         return (
             f"rank {self.rank}/{self.world_size}: {self.shards_written} shards written, {self.shards_reused} reused "
             f"of {self.shards_total}; {self.samples} samples, {self.tokens} tokens ({self.loss_tokens} loss tokens), "
-            f"{self.truncated} truncated; skipped: {skipped}; {bpt:,.0f} bytes/token; {self.seconds:.1f} s "
+            f"{self.truncated} truncated; {exact}skipped: {skipped}; {bpt:,.0f} bytes/token; {self.seconds:.1f} s "
             f"({rate:,.0f} tok/s); {done}"
         )
 
@@ -127,6 +138,9 @@ def make_plan(cfg: ExtractConfig, inputs: Sequence[Path], num_records: int, skip
         "dtype": cfg.dtype,
         "generation": _generation(cfg).to_manifest() if cfg.regenerate else None,
         "max_user_turns": cfg.max_user_turns if cfg.regenerate else None,
+        # Regenerated turns are kept as the generated ids (extract.generated); a folder regenerated as
+        # text by an older version must not be resumed into.
+        "regenerated_as": "token_ids" if cfg.regenerate else None,
     }
 
 
@@ -206,48 +220,117 @@ def _regenerated_shard(
     return new
 
 
+@dataclass
+class _Item:
+    """One capture sequence of a shard: from the record's text, or from the ids the target generated."""
+
+    record: Record
+    sample_id: str
+    input_ids: list[int]
+    loss_mask: list[int]
+    truncated: bool
+    generated: GeneratedSample | None = None
+
+
+def _items(cfg: ExtractConfig, tokenizer: Any, records: list[Record]) -> list[_Item]:
+    items = []
+    for r in records:
+        if has_generation(r):
+            for g in generated_samples(tokenizer, r, cfg.max_length):
+                items.append(_Item(r, g.sample_id, g.input_ids, g.loss_mask, g.truncated, g))
+        else:
+            tok: TokenizedSample = tokenize_conversation(tokenizer, r.messages, cfg.max_length)
+            items.append(_Item(r, r.id, tok.input_ids, tok.loss_mask, tok.truncated))
+    return items
+
+
 def extract_shard(
     cfg: ExtractConfig, out: Path, shard: int, records: list[Record], backend: TargetBackend, progress: tqdm
-) -> tuple[list[SampleFeatures], Counter]:
-    """Capture one shard's samples; returns them in input order with the per-reason skip counts."""
+) -> tuple[list[SampleFeatures], Counter, ExactnessCounts]:
+    """Capture one shard's samples; returns them in input order, the per-reason skip counts and the
+    check of the samples captured from generated ids (as handed to the store's writer)."""
     if cfg.regenerate:
         records = _regenerated_shard(cfg, out, shard, records, backend)
     skipped: Counter = Counter()
-    tokenized: list[TokenizedSample] = [
-        tokenize_conversation(backend.tokenizer, r.messages, cfg.max_length) for r in records
-    ]
-    keep = [i for i, t in enumerate(tokenized) if any(t.loss_mask)]
-    if len(keep) < len(records):
-        skipped["no_loss_tokens"] += len(records) - len(keep)
-        progress.update(len(records) - len(keep))
+    items = _items(cfg, backend.tokenizer, records)
+    # Progress counts records (a conversation may give several samples): done with its last sample.
+    left = Counter(id(it.record) for it in items)
+
+    def done(i: int) -> None:
+        left[id(items[i].record)] -= 1
+        progress.update(int(left[id(items[i].record)] == 0))
+
+    keep = [i for i, it in enumerate(items) if any(it.loss_mask)]
+    if len(keep) < len(items):
+        skipped["no_loss_tokens"] += len(items) - len(keep)
+    for i in sorted(set(range(len(items))) - set(keep)):
+        done(i)
     teacher = TeacherSpec(kinds=tuple(cfg.teacher), topk=cfg.topk, chunk_tokens=cfg.chunk_tokens)
     features: dict[int, SampleFeatures] = {}
-    for batch in pack_batches([len(tokenized[i].input_ids) for i in keep], cfg.batch_tokens):
+    for batch in pack_batches([len(items[i].input_ids) for i in keep], cfg.batch_tokens):
         idx = [keep[j] for j in batch]
-        captured = backend.capture([tokenized[i].input_ids for i in idx], teacher)
+        captured = backend.capture([items[i].input_ids for i in idx], teacher)
         for i, cap in zip(idx, captured, strict=True):
-            rec, tok = records[i], tokenized[i]
+            it = items[i]
+            rec = it.record
             sample = SampleFeatures(
-                sample_id=rec.id,
+                sample_id=it.sample_id,
                 source=rec.source,
                 category=rec.category,
-                input_ids=torch.tensor(tok.input_ids, dtype=torch.int64),
-                loss_mask=torch.tensor(tok.loss_mask, dtype=torch.uint8),
+                input_ids=torch.tensor(it.input_ids, dtype=torch.int64),
+                loss_mask=torch.tensor(it.loss_mask, dtype=torch.uint8),
                 aux_hidden=cap.aux_hidden,
                 topk_ids=cap.topk_ids,
                 topk_logprobs=cap.topk_logprobs,
                 last_hidden=cap.last_hidden,
-                truncated=tok.truncated,
+                truncated=it.truncated,
             )
             if features_are_finite(sample):
                 features[i] = sample
             else:
-                log.warning("sample %s (%s): captured features are not finite; skipped", rec.id, rec.origin)
+                log.warning("sample %s (%s): captured features are not finite; skipped", it.sample_id, rec.origin)
                 skipped["non_finite"] += 1
-        progress.update(len(idx))
-        progress.tokens += sum(len(tokenized[i].input_ids) for i in idx)
+            done(i)
+        progress.tokens += sum(len(items[i].input_ids) for i in idx)
         progress.set_postfix(tok_s=f"{progress.tokens / max(progress.format_dict['elapsed'], 1e-9):.0f}", refresh=False)
-    return [features[i] for i in keep if i in features], skipped
+    samples = [features[i] for i in keep if i in features]
+    return samples, skipped, _check_shard(shard, [(items[i], features[i]) for i in keep if i in features])
+
+
+def _check_shard(shard: int, stored: list[tuple[_Item, SampleFeatures]]) -> ExactnessCounts:
+    """Check every sample built from generated ids against its generation record, as it goes to the store."""
+    counts = ExactnessCounts()
+    for it, sample in stored:
+        if it.generated is None:
+            continue
+        turns = it.generated.turns
+        problem = check_generated(sample.input_ids.tolist(), sample.loss_mask.tolist(), turns, sample.truncated)
+        counts.add(sample.sample_id, len(turns), any(g.finish_reason == "length" for g in turns), problem)
+        if problem is not None and counts.mismatched_samples <= 5:
+            log.warning("shard %d, sample %s (%s): not stored as generated: %s", shard, sample.sample_id,
+                        it.record.origin, problem)
+    return counts
+
+
+def _check_path(out: Path, shard: int) -> Path:
+    return out / REGEN_DIR / f"shard-{shard:06d}.check.json"
+
+
+def _read_checks(out: Path, num_shards: int) -> dict[str, Any] | None:
+    """The dataset's `regeneration` manifest entry: the shards' checks summed (None: no generated samples)."""
+    total, found = ExactnessCounts(), False
+    for s in range(num_shards):
+        path = _check_path(out, s)
+        if path.exists():
+            total.merge(ExactnessCounts.from_json(json.loads(path.read_text())))
+            found = True
+    if not found:
+        return None
+    if total.mismatched_samples:
+        log.warning("%d of %d samples built from generated ids are not stored as generated; first: %s",
+                    total.mismatched_samples, total.samples,
+                    ", ".join(f"{m['id']} ({m['problem']})" for m in total.first_mismatches[:3]))
+    return total.to_json()
 
 
 def _expected_checksums(out: Path) -> dict[str, str]:
@@ -280,7 +363,8 @@ def _remove_stale_temps(out: Path, shards: Sequence[int]) -> None:
     for s in shards:
         name = Path(shard_relpath(s)).name
         for folder, pattern in ((out / Path(shard_relpath(s)).parent, f".{name}.tmp-*"),
-                                (out / REGEN_DIR, f".shard-{s:06d}.jsonl.tmp-*")):
+                                (out / REGEN_DIR, f".shard-{s:06d}.jsonl.tmp-*"),
+                                (out / REGEN_DIR, f".shard-{s:06d}.check.json.tmp-*")):
             for tmp in folder.glob(pattern) if folder.is_dir() else []:
                 log.info("%s: removing the temp file of an interrupted run", tmp)
                 tmp.unlink(missing_ok=True)
@@ -332,7 +416,13 @@ def run_extraction(cfg: ExtractConfig) -> ExtractSummary:
                 progress.tokens = 0  # running count for the tokens/s readout
                 for s in todo:
                     assert backend is not None
-                    samples, skipped = extract_shard(cfg, out, s, records[s * S : (s + 1) * S], backend, progress)
+                    samples, skipped, checked = extract_shard(cfg, out, s, records[s * S : (s + 1) * S], backend,
+                                                              progress)
+                    # The check goes to disk before the shard: a shard at its final name always has one.
+                    if checked.samples or cfg.regenerate:
+                        atomic_write_text(_check_path(out, s), json.dumps(checked.to_json(), sort_keys=True) + "\n")
+                    else:
+                        _check_path(out, s).unlink(missing_ok=True)
                     info = write_shard(out, s, samples, hidden_dtype=cfg.hidden_dtype,
                                        num_aux=len(backend.info.aux_layer_ids), skipped=skipped)
                     summary.shards_written += 1
@@ -341,6 +431,7 @@ def run_extraction(cfg: ExtractConfig) -> ExtractSummary:
                     summary.loss_tokens += info.num_loss_tokens
                     summary.truncated += sum(x.truncated for x in samples)
                     summary.skipped.update(skipped)
+                    summary.generated.merge(checked)
                     summary.bytes_written += (out / info.path).stat().st_size
         finally:
             if backend is not None:
@@ -348,6 +439,7 @@ def run_extraction(cfg: ExtractConfig) -> ExtractSummary:
 
         if cfg.finalize and all((out / shard_relpath(s)).exists() for s in range(num_shards)):
             header = json.loads(header_path.read_text())
+            header["regeneration"] = _read_checks(out, num_shards)
             if cfg.regenerate:
                 _concat_regenerated(out, num_shards)
             summary.manifest = finalize_dataset(out, num_shards=num_shards, header=header,

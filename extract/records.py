@@ -30,6 +30,7 @@ SKIP_REASONS = (
     "no_assistant_turn",
     "empty_conversation",
     "bad_turn_order",
+    "bad_generation",
 )
 ID_FIELDS = ("id", "question_id", "conversation_id")
 _SHAREGPT_ROLES = {
@@ -47,11 +48,30 @@ _LOG_LIMIT = 20  # warnings per reason before we only count
 _BOM = b"\xef\xbb\xbf"
 
 
+FINISH_REASONS = ("stop", "length")
+
+
+@dataclass(frozen=True)
+class Generation:
+    """The ids the target generated for one assistant turn: the truth that `content` only decodes.
+
+    Decode -> encode is not the identity, so a regenerated turn is captured from these ids, never
+    from its text. `prompt_tokens`/`prompt_sha256` identify the prompt ids it was generated from
+    (see `extract.generated.prompt_sha256`), so a later capture can prove it uses the same context.
+    """
+
+    output_ids: tuple[int, ...]  # stop token included when the target wrote one
+    finish_reason: str  # "stop" (ended with a stop token) or "length" (cut at the token limit)
+    prompt_tokens: int
+    prompt_sha256: str
+
+
 @dataclass(frozen=True)
 class Message:
     role: str  # "system" | "user" | "assistant"
     content: str
     reasoning_content: str | None = None
+    generation: Generation | None = None  # set on assistant turns the target wrote (regeneration)
 
 
 @dataclass(frozen=True)
@@ -220,6 +240,28 @@ def _text(value: Any, where: str) -> str:
     return value
 
 
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _parse_generation(value: Any, where: str) -> Generation:
+    if not isinstance(value, dict):
+        raise _Bad("bad_generation", f"{where} is a {type(value).__name__}, not an object")
+    ids = value.get("output_ids")
+    if not isinstance(ids, list) or not ids or not all(_int(t) and t >= 0 for t in ids):
+        raise _Bad("bad_generation", f"{where}.output_ids must be a non-empty list of token ids")
+    finish = value.get("finish_reason")
+    if finish not in FINISH_REASONS:
+        raise _Bad("bad_generation", f"{where}.finish_reason {finish!r} is not one of {FINISH_REASONS}")
+    n = value.get("prompt_tokens")
+    digest = value.get("prompt_sha256")
+    if not _int(n) or n < 1:
+        raise _Bad("bad_generation", f"{where}.prompt_tokens {n!r} is not a positive integer")
+    if not isinstance(digest, str) or len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+        raise _Bad("bad_generation", f"{where}.prompt_sha256 is not a sha256 hex digest")
+    return Generation(tuple(ids), finish, n, digest)
+
+
 def _parse_messages(obj: dict) -> list[Message]:
     out = []
     for i, m in enumerate(_turn_list(obj, "messages")):
@@ -232,7 +274,12 @@ def _parse_messages(obj: dict) -> list[Message]:
         reasoning = m.get("reasoning_content", m.get("reasoning"))
         if reasoning is not None:
             reasoning = _text(reasoning, f"messages[{i}].reasoning_content")
-        out.append(Message(role, content, reasoning if role == "assistant" else None))
+        generation = m.get("generation")
+        if generation is not None:
+            if role != "assistant":
+                raise _Bad("bad_generation", f"messages[{i}] is a {role!r} message with generation ids")
+            generation = _parse_generation(generation, f"messages[{i}].generation")
+        out.append(Message(role, content, reasoning if role == "assistant" else None, generation))
     return out
 
 
@@ -355,6 +402,10 @@ def record_to_json(record: Record) -> dict[str, Any]:
         d: dict[str, Any] = {"role": m.role, "content": m.content}
         if m.reasoning_content is not None:
             d["reasoning_content"] = m.reasoning_content
+        if m.generation is not None:
+            g = m.generation
+            d["generation"] = {"output_ids": list(g.output_ids), "finish_reason": g.finish_reason,
+                               "prompt_tokens": g.prompt_tokens, "prompt_sha256": g.prompt_sha256}
         messages.append(d)
     return {"id": record.id, "source": record.source, "category": record.category, "messages": messages}
 

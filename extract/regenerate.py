@@ -4,6 +4,12 @@ A drafter fitted to answers the target did not write learns the wrong distributi
 the standard EAGLE-3 recipe replaces every assistant turn with the target's own reply,
 turn by turn: the reply to user turn j is generated from the conversation with the
 target's replies to turns < j, never the original ones.
+
+Each reply is kept as the ids the target generated (`Message.generation`: the truth the capture
+uses, see `extract.generated`) and as text for the next turn's prompt and for `regenerated.jsonl`:
+decoded without dropping special tokens, and split at the template's think markers into
+`reasoning_content` and `content`, so the reasoning stays where the target put it and the file is a
+valid chat input again.
 """
 
 from __future__ import annotations
@@ -11,12 +17,63 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any
 
 from extract.backends.base import GenerationConfig, TargetBackend
-from extract.chat import encode_prompt, stop_token_ids
-from extract.records import Message, Record
+from extract.chat import encode_prompt, generation_prompt, stop_token_ids
+from extract.generated import prompt_sha256
+from extract.records import Generation, Message, Record
 
 log = logging.getLogger(__name__)
+
+# (open, close) reasoning markers of thinking templates (Kimi, Qwen3, DeepSeek-R1 use <think>).
+THINK_MARKERS = (("<think>", "</think>"), ("◁think▷", "◁/think▷"))
+
+
+def think_markers(tokenizer: Any) -> tuple[str, str] | None:
+    """The reasoning markers the chat template knows (its text names the closing one), or None."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    text = template if isinstance(template, str) else " ".join(str(v) for v in dict(template).values())
+    return next((pair for pair in THINK_MARKERS if pair[1] in text), None)
+
+
+def split_reasoning(text: str, markers: tuple[str, str] | None, opened: bool) -> tuple[str, str | None]:
+    """(content, reasoning_content) of a reply's text, nothing stripped or added.
+
+    `opened`: the generation prompt already opened the reasoning, so the reply starts inside it;
+    otherwise a reply that starts with the open marker holds reasoning. A reply cut before the
+    close marker is all reasoning. Without markers, or without reasoning, reasoning_content is None.
+    """
+    if markers is None:
+        return text, None
+    start, end = markers
+    if not opened:
+        if not text.startswith(start):
+            return text, None
+        text = text[len(start):]
+    close = text.find(end)
+    if close < 0:
+        return "", text
+    return text[close + len(end):], text[:close]
+
+
+def generated_message(
+    tokenizer: Any, history: Sequence[Message], prompt: Sequence[int], output: Sequence[int], stops: Sequence[int],
+    markers: tuple[str, str] | None,
+) -> Message:
+    """The assistant message for ids the target generated after `prompt` (the render of `history`)."""
+    if not output:
+        raise ValueError(f"the backend returned no tokens for a prompt of {len(prompt)} tokens")
+    finish = "stop" if output and output[-1] in stops else "length"
+    body = list(output[:-1]) if finish == "stop" else list(output)
+    text = tokenizer.decode(body, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    opened = False
+    if markers is not None:
+        tail = generation_prompt(tokenizer, history)
+        opened = tail.rfind(markers[0]) > tail.rfind(markers[1])
+    content, reasoning = split_reasoning(text, markers, opened)
+    generation = Generation(tuple(int(t) for t in output), finish, len(prompt), prompt_sha256(prompt))
+    return Message(role="assistant", content=content, reasoning_content=reasoning, generation=generation)
 
 
 def _turns(record: Record) -> tuple[list[Message], list[Message]]:
@@ -30,7 +87,7 @@ def regenerate_records(
     backend: TargetBackend, records: Sequence[Record], gen: GenerationConfig, *, max_length: int,
     max_user_turns: int = 0,
 ) -> list[Record]:
-    """Return the records with every assistant turn written by the target.
+    """Return the records with every assistant turn written by the target (ids in `Message.generation`).
 
     Batched across records at each turn index; prompts are sorted by length inside a
     turn so batches pad little, and the order is fixed so reruns generate the same text.
@@ -40,6 +97,7 @@ def regenerate_records(
     """
     tokenizer = backend.tokenizer
     stops = stop_token_ids(tokenizer)
+    markers = think_markers(tokenizer)
     histories: list[list[Message]] = []
     pending: list[list[Message]] = []
     for record in records:
@@ -60,16 +118,16 @@ def regenerate_records(
                 continue
             prompts[i] = ids
         order = sorted(prompts, key=lambda i: (len(prompts[i]), i))
+        cut = 0
         for start in range(0, len(order), gen.batch_size):
             chunk = order[start : start + gen.batch_size]
             budget = max(1, min(gen.max_new_tokens, max_length - max(len(prompts[i]) for i in chunk)))
             outputs = backend.generate([prompts[i] for i in chunk], replace(gen, max_new_tokens=budget), stops)
             for i, new_ids in zip(chunk, outputs, strict=True):
-                if new_ids and new_ids[-1] in stops:
-                    new_ids = new_ids[:-1]
-                text = tokenizer.decode(new_ids, skip_special_tokens=True)
-                histories[i].append(Message(role="assistant", content=text))
-        log.info("regenerated turn %d for %d conversations", turn + 1, len(prompts))
+                reply = generated_message(tokenizer, histories[i], prompts[i], new_ids, stops, markers)
+                histories[i].append(reply)
+                cut += reply.generation is not None and reply.generation.finish_reason == "length"
+        log.info("regenerated turn %d for %d conversations (%d cut at the token limit)", turn + 1, len(prompts), cut)
         active = [i for i in prompts if pending[i]]
         turn += 1
     return [replace(record, messages=tuple(h)) for record, h in zip(records, histories, strict=True)]

@@ -86,6 +86,9 @@ def malformed_lines(rng: random.Random, long_chars: int) -> list[tuple[str, byte
         ("empty_conversation", j({"messages": []})),
         ("empty_conversation", j({"messages": [{"role": "system", "content": "x"}]})),
         ("bad_turn_order", j({"messages": [{"role": "assistant", "content": "x"}, user]})),
+        ("bad_generation", j({"messages": [user, {"role": "assistant", "content": "x", "generation": [1, 2]}]})),
+        ("bad_generation", j({"messages": [user, {"role": "assistant", "content": "x", "generation": {
+            "output_ids": [1, True], "finish_reason": "stop", "prompt_tokens": 3, "prompt_sha256": "0" * 64}}]})),
     ]
 
 

@@ -9,6 +9,13 @@ pipeline meets in production:
 - "deepseek_v3": DeepSeek-V3 (system prompts hoisted to the top, `<｜User｜>`/`<｜Assistant｜>`).
 - "kimi_k25": Kimi-K2.5 thinking (`<|im_*|>role<|im_middle|>`, `<think>reasoning</think>` on the
   last assistant turn, empty `<think></think>` on historical ones, generation prompt opens `<think>`).
+- "qwen3": Qwen3 thinking (ChatML; `<think>`/`</think>` are added, not special, tokens; the generation
+  prompt opens `<think>\\n`; reasoning is rendered, newline-wrapped, only after the last user turn).
+- "deepseek_r1": DeepSeek-R1 (the DeepSeek-V3 layout; the generation prompt opens `<think>\\n`; the template
+  knows no reasoning_content and keeps only what follows `</think>` of any assistant turn).
+
+CHAT_KINDS are the families the loss-mask tests cover; THINKING_KINDS the three reasoning conventions
+the token-exact regeneration tests cover.
 
 Every tokenizer round-trips through `save_pretrained`/`from_pretrained` with its template.
 """
@@ -100,6 +107,36 @@ KIMI_K25_TEMPLATE = """{%- set ns = namespace(last_assistant=-1) -%}
 {%- endif -%}
 """
 
+QWEN3_TEMPLATE = """{%- set ns = namespace(last_user=-1) -%}
+{%- for m in messages -%}
+  {%- if m['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}
+{%- endfor -%}
+{%- for m in messages -%}
+  {%- if m['role'] == 'assistant' -%}
+    {%- set reasoning = m.get('reasoning_content') or '' -%}
+    {%- set content = m['content'] -%}
+    {%- if '</think>' in content -%}
+      {%- set reasoning = content.split('</think>')[0].split('<think>')[-1] -%}
+      {%- set content = content.split('</think>')[-1] -%}
+    {%- endif -%}
+    {{- '<|im_start|>assistant\n' -}}
+    {%- if loop.index0 > ns.last_user -%}
+      {{- '<think>\n' + reasoning.strip('\n') + '\n</think>\n\n' -}}
+    {%- endif -%}
+    {{- content.lstrip('\n') + '<|im_end|>\n' -}}
+  {%- else -%}
+    {{- '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' -}}
+  {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n<think>\n' -}}{%- endif -%}
+"""
+
+DEEPSEEK_R1_TEMPLATE = DEEPSEEK_V3_TEMPLATE.replace(
+    "{% if add_generation_prompt %}{{ '<｜Assistant｜>' }}{% endif %}",
+    "{% if add_generation_prompt %}{{ '<｜Assistant｜><think>\\n' }}{% endif %}",
+)
+assert DEEPSEEK_R1_TEMPLATE != DEEPSEEK_V3_TEMPLATE
+
 _KINDS: dict[str, dict] = {
     "chatml": {
         "specials": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
@@ -127,9 +164,24 @@ _KINDS: dict[str, dict] = {
         "roles": {"bos_token": "[BOS]", "eos_token": "[EOS]", "unk_token": "[UNK]", "pad_token": "[PAD]"},
         "template": KIMI_K25_TEMPLATE,
     },
+    "qwen3": {
+        "specials": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        "added": ["<think>", "</think>"],
+        "roles": {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
+        "template": QWEN3_TEMPLATE,
+    },
+    "deepseek_r1": {
+        "specials": ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>", "<｜User｜>",
+                     "<｜Assistant｜>"],
+        "added": ["<think>", "</think>"],
+        "roles": {"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>",
+                  "pad_token": "<｜▁pad▁｜>"},
+        "template": DEEPSEEK_R1_TEMPLATE,
+    },
 }
 
-CHAT_KINDS = tuple(_KINDS)
+CHAT_KINDS = ("chatml", "llama3", "deepseek_v3", "kimi_k25")
+THINKING_KINDS = ("kimi_k25", "qwen3", "deepseek_r1")
 
 _CORPUS = [
     "Hello! How are you today? I am fine, thank you.",
@@ -164,11 +216,12 @@ def _trained_json(kind: str) -> str:
 def build_chat_tokenizer(kind: str) -> PreTrainedTokenizerFast:
     """A tiny byte-level tokenizer with the chat template of `kind` (one of CHAT_KINDS)."""
     if kind not in _KINDS:
-        raise ValueError(f"unknown tokenizer kind {kind!r}; expected one of {CHAT_KINDS}")
+        raise ValueError(f"unknown tokenizer kind {kind!r}; expected one of {tuple(_KINDS)}")
     spec = _KINDS[kind]
     tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(_trained_json(kind)), **spec["roles"])
     tok.add_special_tokens({"additional_special_tokens": [
         s for s in spec["specials"] if s not in spec["roles"].values()
     ]})
+    tok.add_tokens(spec.get("added", []))  # plain added tokens: decode keeps them even when skipping specials
     tok.chat_template = spec["template"]
     return tok

@@ -176,7 +176,12 @@ def test_fp8_and_regeneration(tiny_target, tmp_path):
     assert all([m.role for m in r.messages] == ["user", "assistant", "user", "assistant"] for r in regenerated)
     assert verify_dataset(out) == []
     reader = DatasetReader(out)
-    assert len(reader) + sum(manifest["skipped"].values()) == 5
+    # Every turn is captured from its generated ids; a conversation whose second prompt does not start
+    # with the first turn's ids (random bytes decode to U+FFFD and re-encode differently) is two samples.
+    regen = manifest["regeneration"]
+    assert regen["turns"] == 10 and regen["samples"] == len(reader) and regen["mismatched_samples"] == 0
+    assert {sid.split("/")[0] for sid in reader.sample_ids} == {f"p{i}" for i in range(5)}
+    assert not manifest["skipped"]
 
 
 def test_strict_mode_exits_2_and_writes_nothing(tiny_target, chat_file, tmp_path, caplog):

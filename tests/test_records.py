@@ -10,6 +10,7 @@ import pytest
 from extract.records import (
     SKIP_REASONS,
     BadRecordError,
+    Generation,
     Message,
     Record,
     read_records,
@@ -82,6 +83,8 @@ BAD_LINES = {
     "no_assistant_turn": b'{"conversations": [{"from": "human", "value": "only me"}]}\n',
     "empty_conversation": b'{"conversations": []}\n',
     "bad_turn_order": b'{"conversations": [{"from": "gpt", "value": "hi"}, {"from": "human", "value": "yo"}]}\n',
+    "bad_generation": b'{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", '
+                      b'"generation": {"output_ids": [], "finish_reason": "stop"}}]}\n',
 }
 
 
@@ -93,7 +96,8 @@ def test_every_skip_reason(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="extract.records"):
         res = read_records([p])
     assert res.skipped == {reason: 1 for reason in SKIP_REASONS}
-    assert [r.origin for r in res.records] == [f"{p}:1", f"{p}:12"]  # the blank line is not a record
+    last = len(BAD_LINES) + 3
+    assert [r.origin for r in res.records] == [f"{p}:1", f"{p}:{last}"]  # the blank line is not a record
     assert [r.id for r in res.records] == ["7", "7#2"]
     for lineno, reason in enumerate(BAD_LINES, start=2):
         assert any(f"{p}:{lineno}" in rec.message and reason in rec.message for rec in caplog.records)
@@ -217,6 +221,8 @@ def test_write_read_round_trip(tmp_path):
         Record("x1", (Message("system", "S"), Message("user", "Ünïcode ☕"), Message("assistant", "A", "why")),
                "chat", "misc", "orig:1"),
         Record("x2", (Message("user", "Q"),), "mtbench", None, "orig:2"),
+        Record("x3", (Message("user", "Q"), Message("assistant", "A", "r", Generation((5, 0, 7), "length", 12, "ab" * 32))),
+               "regen", None, "orig:3"),
     ]
     out = tmp_path / "sub" / "out.jsonl"
     write_records_jsonl(out, records)
@@ -226,7 +232,7 @@ def test_write_read_round_trip(tmp_path):
     assert [(r.id, r.messages, r.source, r.category) for r in back] == [
         (r.id, r.messages, r.source, r.category) for r in records
     ]
-    assert [r.origin for r in back] == [f"{out}:1", f"{out}:2"]
+    assert [r.origin for r in back] == [f"{out}:1", f"{out}:2", f"{out}:3"]
     first = json.loads(out.read_text(encoding="utf-8").splitlines()[0])
     assert first["messages"][2] == {"role": "assistant", "content": "A", "reasoning_content": "why"}
 

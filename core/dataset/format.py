@@ -113,6 +113,7 @@ def dataset_header(
     backend: str = "hf",
     generation: Mapping[str, Any] | None = None,
     regenerated: str | None = None,
+    regeneration: Mapping[str, Any] | None = None,
     skipped: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
     """The dataset-level manifest fields, for :func:`finalize_dataset` (which adds shards and totals).
@@ -120,7 +121,8 @@ def dataset_header(
     The one place these names are spelled: the extraction writes its header with it, and so does
     every synthetic dataset (tests, benchmarks), so readers never meet a second dialect.
     ``target`` is the extraction's TargetInfo as a dict (hand-made datasets give at least name,
-    path, config_hash and architecture).
+    path, config_hash and architecture). ``regeneration`` is the check of the samples captured from
+    generated ids (``extract.generated.ExactnessCounts``), known once every shard is written.
     """
     kinds = list(teacher)
     bad = [k for k in kinds if k not in TEACHER_KINDS]
@@ -144,6 +146,7 @@ def dataset_header(
         "max_length": int(max_length),
         "generation": dict(generation) if generation is not None else None,
         "regenerated": regenerated,
+        "regeneration": dict(regeneration) if regeneration is not None else None,
         "skipped": dict(sorted((skipped or {}).items())),
     }
 

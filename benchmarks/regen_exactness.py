@@ -1,0 +1,172 @@
+"""Are the stored assistant tokens the ids the target generated? (a measurement, not a test)
+
+Runs the extraction stage with regeneration, records every (prompt ids, generated ids) pair the
+backend returns, then reads the written dataset back through the store's reader and compares,
+for each generated turn, the masked run of tokens that starts right after its prompt with the
+generated ids (stop token included when the target wrote one). It counts:
+
+  * mismatched: the stored run is not exactly the generated ids (any difference);
+  * ids_differ: the run differs in the reply's own ids (decode -> re-encode drift);
+  * eot_added: a reply cut at --max-new-tokens is stored with an end-of-turn the target never wrote;
+  * not_found: no stored sample starts with the turn's prompt (the reply is not trained on as generated);
+  * cut: replies that hit --max-new-tokens.
+
+`--code DIR` runs the extraction code of another checkout (e.g. an export of main) with this
+same script, so before and after are measured the same way:
+
+    git archive 7d2ee4a | tar -x -C /tmp/redraft-main
+    OMP_NUM_THREADS=1 python benchmarks/regen_exactness.py --code /tmp/redraft-main --out runs/exact-main \\
+        --json exact-main.json
+    OMP_NUM_THREADS=1 python benchmarks/regen_exactness.py --out runs/exact-branch --json exact-branch.json
+
+Defaults: the embedded target, the 80 MT-bench first turns, greedy, 128 new tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("bench.exactness")
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--code", default=str(Path(__file__).resolve().parents[1]),
+                   help="checkout whose extract package runs (default: this one)")
+    p.add_argument("--target", default="smollm2-135m-instruct", help="target model (built-in name or folder)")
+    p.add_argument("--data", default="mtbench", help="prompts (built-in name or file)")
+    p.add_argument("--out", required=True, help="dataset folder to write (a new one per run)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="regeneration budget per turn")
+    p.add_argument("--max-user-turns", type=int, default=1, help="answer only the first N user turns (0: all)")
+    p.add_argument("--max-samples", type=int, default=0, help="first N records only (0: all)")
+    p.add_argument("--teacher", default="topk", help="teacher kinds, as extract's --teacher")
+    p.add_argument("--json", default=None, help="write the counts here")
+    p.add_argument("--show", type=int, default=3, help="print this many mismatched turns in full")
+    return p.parse_args(argv)
+
+
+def recording_loader(load: Callable[..., Any], calls: list[tuple[list[int], list[int]]]) -> Callable[..., Any]:
+    """Wrap extract.pipeline.load_backend so the loaded backend's generate appends (prompt, output) pairs
+    to `calls`; the backend itself runs unchanged."""
+
+    def load_and_record(cfg: Any, path: Any) -> Any:
+        backend = load(cfg, path)
+        generate = backend.generate
+
+        def record(prompts, gen, stop_ids):
+            outputs = generate(prompts, gen, stop_ids)
+            calls.extend((list(p), list(o)) for p, o in zip(prompts, outputs, strict=True))
+            return outputs
+
+        backend.generate = record
+        return backend
+
+    return load_and_record
+
+
+def _masked_run(ids: list[int], mask: list[bool], start: int) -> list[int]:
+    end = start
+    while end < len(ids) and mask[end]:
+        end += 1
+    return ids[start:end]
+
+
+def compare(samples: list[tuple[str, list[int], list[bool]]], generated: list[tuple[list[int], list[int]]],
+            stops: set[int]) -> dict[str, Any]:
+    """Counts of generated turns stored as generated, over every (prompt, output) the backend returned."""
+    counts = {"generated_turns": len(generated), "stored_samples": len(samples), "exact": 0, "mismatched": 0,
+              "ids_differ": 0, "eot_added": 0, "not_found": 0, "cut": 0}
+    examples: list[dict[str, Any]] = []
+    for prompt, output in generated:
+        cut = not output or output[-1] not in stops
+        counts["cut"] += cut
+        hits = [(sid, ids, mask) for sid, ids, mask in samples if ids[: len(prompt)] == prompt]
+        if not hits:
+            counts["not_found"] += 1
+            continue
+        sid, ids, mask = hits[0]
+        run = _masked_run(ids, mask, len(prompt))
+        if run == output:
+            counts["exact"] += 1
+            continue
+        counts["mismatched"] += 1
+        body = run
+        if cut and run and run[-1] in stops:
+            counts["eot_added"] += 1
+            body = run[:-1]
+        if body != output:
+            counts["ids_differ"] += 1
+        if len(examples) < 20:
+            first = next((i for i, (a, b) in enumerate(zip(run, output, strict=False)) if a != b), min(len(run), len(output)))
+            examples.append({"sample": sid, "first_difference_at": first, "stored": run, "generated": output})
+    counts["examples"] = examples
+    return counts
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    sys.path.insert(0, str(Path(args.code).resolve()))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import extract
+    import extract.pipeline as pipeline
+    from core.dataset.reader import DatasetReader
+    from extract.chat import stop_token_ids
+    from extract.config import parse_args
+
+    log.info("extraction code: %s", Path(extract.__file__).parent)
+    recorded: list[tuple[list[int], list[int]]] = []
+    pipeline.load_backend = recording_loader(pipeline.load_backend, recorded)
+    cli = ["--target", args.target, "--data", args.data, "--out", args.out, "--regenerate",
+           "--max-user-turns", str(args.max_user_turns), "--max-new-tokens", str(args.max_new_tokens),
+           "--teacher", args.teacher, "--rank", "0", "--world-size", "1"]
+    if args.max_samples:
+        cli += ["--max-samples", str(args.max_samples)]
+    start = time.perf_counter()
+    summary = pipeline.run_extraction(parse_args(cli))
+    seconds = time.perf_counter() - start
+    log.info("%s", summary.line())
+
+    reader = DatasetReader(args.out)
+    stops = set(stop_token_ids(reader_tokenizer(args.out)))
+    samples = []
+    for i in range(len(reader)):
+        s = reader.get(i)
+        samples.append((reader.sample_ids[i], s.input_ids.tolist(), s.loss_mask.bool().tolist()))
+    counts = compare(samples, recorded, stops)
+    manifest = json.loads((Path(args.out) / "manifest.json").read_text())
+    result = {"code": str(Path(extract.__file__).parent.parent), "target": args.target, "data": args.data,
+              "max_new_tokens": args.max_new_tokens, "max_user_turns": args.max_user_turns,
+              "seconds": round(seconds, 1), "manifest_regeneration": manifest.get("regeneration"), **counts}
+
+    print()
+    print("| generated turns | stored as generated | mismatched | of which ids differ | eot added to a cut reply "
+          "| prompt not found | cut at limit |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print(f"| {counts['generated_turns']} | {counts['exact']} | {counts['mismatched']} | {counts['ids_differ']} "
+          f"| {counts['eot_added']} | {counts['not_found']} | {counts['cut']} |")
+    print(f"manifest regeneration: {manifest.get('regeneration')}")
+    for ex in counts["examples"][: args.show]:
+        print(f"  {ex['sample']}: first difference at reply token {ex['first_difference_at']}; "
+              f"stored tail {ex['stored'][-4:]}, generated tail {ex['generated'][-4:]}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def reader_tokenizer(out: str) -> Any:
+    """The target's tokenizer, from the path the manifest records (no model load)."""
+    from transformers import AutoTokenizer
+
+    manifest = json.loads((Path(out) / "manifest.json").read_text())
+    return AutoTokenizer.from_pretrained(manifest["target"]["path"], local_files_only=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
