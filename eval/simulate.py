@@ -16,9 +16,11 @@ answer lasts (``x[p+2+j]`` a real assistant token for ``j <= k``). Where either 
 cut: the count is then a lower bound ("off_path") or the natural end of the answer ("end").
 Accepted drafts for a shorter chain ``K' <= K`` are ``min(n, K')``: one K-run gives every length.
 
-Temperature > 0 (:func:`simulate_chain_sampled`): the expected number of accepted drafts under the
-speculative-sampling rule, ``sum_k prod_{j<=k} alpha_j`` with ``alpha_j = sum_v min(p_j(v), q_j(v))``,
-``p`` the teacher and ``q`` the drafter softmax, both at temperature T. Approximations: the chain
+Temperature > 0 (:func:`simulate_chain_sampled`): the expected number of accepted drafts,
+``sum_k prod_{j<=k} alpha_j``. Rule ``target_only`` (both engines' default; see eval.acceptance):
+the drafts are the drafter's argmax and ``alpha_j = p_j(d_j)``, the teacher's probability of the
+draft. Rule ``rejection`` (opt-in speculative sampling): ``alpha_j = sum_v min(p_j(v), q_j(v))``,
+``q`` the drafter softmax. ``p`` and ``q`` at temperature T. Approximations: the chain
 follows the DATA tokens (the drafter reads ``x[p+1+j]`` at step ``j``, as in training) instead of a
 sampled path, and a top-k teacher is truncated to its stored k entries (see eval.acceptance).
 
@@ -217,8 +219,9 @@ def simulate_chain_sampled(
     teacher_p: torch.Tensor,
     temperature: float,
     steps: int,
+    rule: str = "target_only",
 ) -> ChainResult:
-    """Expected accepted drafts at temperature T > 0 along the data path.
+    """Expected accepted drafts at temperature T > 0 along the data path (``rule``: target_only or rejection).
 
     ``teacher_p`` [B, T, Vd]: the teacher's probability at temperature T of each draft-vocab token
     (target-vocab normalisation, NOT renormalised over the draft vocab: mass outside it can never
@@ -226,6 +229,8 @@ def simulate_chain_sampled(
     """
     if temperature <= 0:
         raise ValueError(f"simulate_chain_sampled: temperature must be > 0, got {temperature}")
+    if rule not in ("target_only", "rejection"):
+        raise ValueError(f"simulate_chain_sampled: rule must be 'target_only' or 'rejection', got {rule!r}")
     bsz, seq = input_ids.shape
     mask = attention_mask.to(torch.bool)
     ids = input_ids.to(torch.int64).masked_fill(~mask, 0)
@@ -236,9 +241,12 @@ def simulate_chain_sampled(
     alphas = []
     for k in range(steps):
         hidden = drafter.step(_shift_left(ids, 1 + k), hidden, pos + k, cache, mask)
-        q = torch.softmax(drafter.compute_logits(hidden).float() / temperature, dim=-1)
+        logits = drafter.compute_logits(hidden).float()
         p = _shift_left(teacher_p.float(), 1 + k, 0.0)
-        alphas.append(torch.minimum(p, q).sum(-1))
+        if rule == "target_only":  # greedy draft d accepted with probability p(d)
+            alphas.append(p.gather(-1, logits.argmax(-1, keepdim=True)).squeeze(-1))
+        else:
+            alphas.append(torch.minimum(p, torch.softmax(logits / temperature, dim=-1)).sum(-1))
     alpha = torch.stack(alphas, -1) * end_ok.to(torch.float32)  # [B, T, K]
     where = drafting_positions(loss_mask, attention_mask)
     a = alpha[where].clamp(0.0, 1.0)
