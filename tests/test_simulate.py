@@ -254,7 +254,9 @@ def test_tree_positions_are_deterministic_and_capped():
 
 
 @torch.no_grad()
-def test_sampled_chain_matches_direct_computation(drafter, case):
+@pytest.mark.parametrize("rule", ["rejection", "target_only"])
+def test_sampled_chain_matches_direct_computation(drafter, case, rule):
+    """rejection: alpha = sum min(p, q_T); target_only (the engines' default): alpha = p(argmax q)."""
     temperature = 0.7
     g = torch.Generator().manual_seed(9)
     bsz, seq = case["input_ids"].shape
@@ -262,7 +264,7 @@ def test_sampled_chain_matches_direct_computation(drafter, case):
     teacher_p = torch.softmax(torch.randn(bsz, seq, vd, generator=g) * 2, -1) * 0.9  # 10% outside the draft vocab
     res = sim.simulate_chain_sampled(drafter, input_ids=case["input_ids"], aux_hidden=case["aux_hidden"],
                                      attention_mask=case["attention_mask"], loss_mask=case["loss_mask"],
-                                     teacher_p=teacher_p, temperature=temperature, steps=STEPS)
+                                     teacher_p=teacher_p, temperature=temperature, steps=STEPS, rule=rule)
     for i in range(len(res.sample)):
         b, p = int(res.sample[i]), int(res.position[i])
         n_tok = int(case["attention_mask"][b].sum())
@@ -276,12 +278,19 @@ def test_sampled_chain_matches_direct_computation(drafter, case):
             if j > 0:  # along the data path: the drafter reads data token p+1+j
                 h, kk, vv = ref_token(drafter, int(ids[p + 1 + j]), h, p + j, keys, values)
                 keys, values = keys + [kk], values + [vv]
-            q = torch.softmax(drafter.compute_logits(h).float() / temperature, -1)
-            alpha = float(torch.minimum(q, teacher_p[b, p + 1 + j]).sum())
+            logits = drafter.compute_logits(h).float()
+            if rule == "rejection":
+                alpha = float(torch.minimum(torch.softmax(logits / temperature, -1), teacher_p[b, p + 1 + j]).sum())
+            else:
+                alpha = float(teacher_p[b, p + 1 + j][int(logits.argmax())])
             run *= alpha
             expected += run
         assert float(res.accepted[i]) == pytest.approx(expected, abs=1e-5)
     assert float(res.accepted.mean()) > 0
+    with pytest.raises(ValueError, match="rule"):
+        sim.simulate_chain_sampled(drafter, input_ids=case["input_ids"], aux_hidden=case["aux_hidden"],
+                                   attention_mask=case["attention_mask"], loss_mask=case["loss_mask"],
+                                   teacher_p=teacher_p, temperature=temperature, steps=STEPS, rule="nope")
 
 
 @torch.no_grad()
