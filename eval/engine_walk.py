@@ -24,14 +24,16 @@ Rules, with the engine source each one follows (vLLM 0.32.0 as shipped by ``vllm
    (``v1/core/sched/scheduler.py::update_from_output`` -> ``make_spec_decoding_stats`` ->
    ``v1/spec_decode/metrics.py::SpecDecodingStats.observe_draft``); tau = 1 + accepted / drafts
    (``metrics.py``, "Mean acceptance length"). SGLang's server-side accept length is the same ratio
-   (``managers/scheduler_components/metrics_reporter.py``: accepted tokens incl. the bonus / verify
-   rounds); its per-request ``meta_info["spec_accept_length"]`` is ``completion_tokens / spec_verify_ct``
+   (``managers/scheduler_components/metrics_reporter.py``: ``spec_num_accept_tokens /
+   spec_num_forward_ct``, the accepted tokens per round being ``num_correct_drafts + 1``,
+   ``managers/utils.py::get_num_generated_tokens``, before the stop cut); its per-request ``meta_info["spec_accept_length"]`` is ``completion_tokens / spec_verify_ct``
    (``managers/tokenizer_manager.py``): output tokens after the stop cut, the prefill token included.
 4. Stop. The request ends when the end-of-turn token is produced or ``max_tokens`` output tokens
    exist (``v1/core/sched/scheduler.py::_update_request_with_output`` cuts the tokens past the
    stop). vLLM 0.32 drafts all K tokens in the last round too (the scheduler caps drafts only at
    ``max_model_len``), and the counters are taken *before* the cut, so accepted drafts past the
-   stop still count. The walk does the same: a draft past the answer's end is verified against
+   stop still count (SGLang likewise: nothing under ``speculative/`` caps the draft steps at
+   ``max_new_tokens``, and its counters above are taken per round). The walk does the same: a draft past the answer's end is verified against
    the stored argmax row when the data has that row (the row of the answer's last token always
    exists); when it does not, the draft counts as rejected and is reported as ``unverifiable``.
 5. Off path. Draft k at p is checked against argmax row ``p + 1 + k``, the target's prediction
