@@ -318,11 +318,17 @@ class Settings:
     batch_tokens: int = 8192
     tree_positions: int = 64
     teacher: str = "auto"
-    engine: str = "vllm"
+    engine: str | None = None  # None: vllm for chains, sglang for trees
     rejection_sampling: bool = False
     max_new_tokens: int = 0
 
     def check(self) -> None:
+        if self.engine is None:
+            self.engine = "sglang" if self.topk > 1 else "vllm"
+        if self.engine == "vllm" and self.topk > 1:
+            raise AcceptanceError("--engine vllm with --topk > 1: vLLM drafts trees from a static "
+                                  "speculative_token_tree, not SGLang's dynamic top-k tree simulated here; use "
+                                  "--engine sglang")
         if self.engine not in ENGINES:
             raise AcceptanceError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if self.max_new_tokens < 0:
@@ -553,7 +559,7 @@ def evaluate(
     dtype: torch.dtype = torch.float32,
     indices: Sequence[int] | None = None,
     progress: bool = False,
-    engine: str = "vllm",
+    engine: str | None = None,
     rejection_sampling: bool = False,
     max_new_tokens: int = 0,
 ) -> dict[str, Any]:
@@ -707,9 +713,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy: the engine walk, exact where the data is the target's greedy output; > 0 = "
                         "expected acceptance per position (target-only verification of greedy drafts)")
-    p.add_argument("--engine", choices=ENGINES, default="vllm",
-                   help="whose rules and counters: vllm (default) or sglang (adds SGLang's per-request "
-                        "meta_info accept length, completion tokens / verify rounds)")
+    p.add_argument("--engine", choices=ENGINES, default=None,
+                   help="whose rules and counters (default: vllm for chains, sglang for trees): sglang adds its "
+                        "per-request meta_info accept length (completion tokens / verify rounds) and is the only "
+                        "tree rule simulated (SGLang's dynamic top-k tree and draft KV slots)"),
     p.add_argument("--rejection-sampling", action="store_true",
                    help="T > 0: the opt-in speculative-sampling rule sum min(p, q) (vLLM draft_sample_method="
                         "probabilistic, SGLang --speculative-use-rejection-sampling) instead of the default "

@@ -30,12 +30,15 @@ Trees (:func:`simulate_tree`) follow SGLang's EAGLE rules (sgl-project/sglang
 (score = probability); each later depth expands every node of the current top-k frontier into its
 top-k children (score = parent score x child probability) and keeps the top-k of those k*k as the
 next frontier; ``steps`` depths in all (``steps`` drafter forwards). All candidates
-(``k + (steps-1)*k*k``) compete and the best ``num_draft_tokens - 1`` are verified. Each node
-attends to the prefix and to its own ancestors (the EAGLE tree mask). Greedy verification walks
-down from the root, following the child whose token equals the teacher argmax. (SGLang keeps a
-branch's draft KV in per-branch slots; whether its draft attention always sees exactly the
-ancestors after the frontier is re-ranked was not verified here; this module simulates the
-EAGLE ancestor mask.)
+(``k + (steps-1)*k*k``) compete and the best ``num_draft_tokens - 1`` are verified. Greedy
+verification walks down from the root, following the child whose token equals the teacher argmax.
+
+Draft attention follows SGLang's KV layout, not the EAGLE ancestor mask: the frontier lives in
+``topk`` slots, slot j writes its key at ``seq_len + j * num_steps + depth`` and attends to the
+prefix plus the keys written at slot j at earlier depths (``generate_draft_decode_kv_indices`` in
+``sglang/kernels/ops/speculative/cache_locs.py``, SGLang 0.5.23). After the frontier is re-ranked
+the node in slot j inherits its *parent's* hidden state (``select_top_k_tokens``) but slot j's key
+history, which need not be its ancestors'.
 """
 
 from __future__ import annotations
@@ -287,8 +290,8 @@ def _node_step(
     """One midlayer application for tree nodes: Eagle3Drafter's projection and output, the tree's attention.
 
     ids/pos [B, M], hidden [B, M, H]. ``prefix`` = (k0, v0 [B, n_kv, T, hd], visible [B, M, T] bool):
-    the step-0 keys each node sees. ``anc_k``/``anc_v`` [B, M, A, n_kv, hd]: the node's ancestors'
-    keys (all visible). Returns (h2 [B, M, H], own key, own value [B, M, n_kv, hd]).
+    the step-0 keys each node sees. ``anc_k``/``anc_v`` [B, M, A, n_kv, hd]: the keys written
+    at the node's slot at earlier depths (all visible; SGLang's draft KV, module docstring). Returns (h2 [B, M, H], own key, own value [B, M, n_kv, hd]).
     """
     bsz, m = ids.shape
     q, k, v = drafter.attention_inputs(ids, hidden, pos)  # q [B, M, n_kv, g, hd], k/v [B, M, n_kv, hd]
@@ -398,8 +401,8 @@ def simulate_tree(
         front_tok = exp_tok.gather(-1, pick)
         front_idx = offset + pick
         front_hidden = _gather(h, slot)
-        anc_k = torch.cat((_gather(anc_k, slot), _gather(key, slot)), dim=3)
-        anc_v = torch.cat((_gather(anc_v, slot), _gather(val, slot)), dim=3)
+        anc_k = torch.cat((anc_k, key), dim=3)  # slot j keeps slot j's keys, whoever its parent is
+        anc_v = torch.cat((anc_v, val), dim=3)
 
     scores = torch.cat(cand_score, -1)  # [B, P, C]
     toks = torch.cat(cand_tok, -1)

@@ -179,6 +179,8 @@ def test_settings_are_checked(world):
         acc.evaluate(world["run"], reader, steps=STEPS, topk=2)
     with pytest.raises(acc.AcceptanceError, match="temperature 0 only"):
         acc.evaluate(world["run"], reader, steps=STEPS, topk=2, num_draft_tokens=4, temperature=1.0)
+    with pytest.raises(acc.AcceptanceError, match="--engine sglang"):
+        acc.evaluate(world["run"], reader, steps=STEPS, topk=2, num_draft_tokens=4, engine="vllm")
     with pytest.raises(acc.AcceptanceError, match=r"\[2, 11\]"):
         acc.evaluate(world["run"], reader, steps=STEPS, topk=2, num_draft_tokens=12)
 
@@ -197,6 +199,7 @@ def test_temperature_and_tree_modes(world):
     assert tree["tree"]["positions"] <= 3 * len(LENGTHS)
     assert tree["tau"] == tree["tree"]["tau"] == tree["engine_walk"]["tau"] and tree["tau"] >= 1.0
     assert tree["engine_walk"]["requests"] == sum(1 + (n > 12) for n in LENGTHS)
+    assert tree["settings"]["engine"] == "sglang" and tree["sglang_request_accept_length"] >= 1.0
 
 
 def test_cli_side_by_side_outputs(world, tmp_path, capsys):

@@ -90,24 +90,30 @@ def ref_chain(drafter, ids, aux, lm, tgt, n_tok, p, steps):
 
 
 def ref_tree(drafter, ids, aux, lm, tgt, n_tok, p, topk, num_draft_tokens, steps):
-    """SGLang EAGLE tree built node by node with python lists, verified greedily."""
+    """SGLang EAGLE tree built node by node with python lists, verified greedily.
+
+    Draft attention as SGLang's KV slots: the frontier node in slot j (its rank) attends to the
+    prefix and the keys written by slot j at earlier depths, whatever its parent was.
+    """
     h0, pre_k, pre_v = ref_prefix(drafter, ids, aux, p)
     probs = torch.softmax(drafter.compute_logits(h0).float(), -1)
     sc, di = probs.topk(topk)
     cands = []  # dict(score, tok, parent, depth)
     frontier = []
     for s, d in zip(sc.tolist(), di.tolist(), strict=True):
-        node = dict(score=s, tok=d + int(drafter.d2t[d]), parent=None, depth=1, hin=h0, anc=([], []))
+        node = dict(score=s, tok=d + int(drafter.d2t[d]), parent=None, depth=1, hin=h0)
         cands.append(node)
         frontier.append(node)
+    slot_k, slot_v = [[] for _ in range(topk)], [[] for _ in range(topk)]
     for depth in range(2, steps + 1):
         children = []
-        for f in frontier:
-            h, k, v = ref_token(drafter, f["tok"], f["hin"], p + depth - 1, pre_k + f["anc"][0], pre_v + f["anc"][1])
+        for j, f in enumerate(frontier):
+            h, k, v = ref_token(drafter, f["tok"], f["hin"], p + depth - 1, pre_k + slot_k[j], pre_v + slot_v[j])
+            slot_k[j], slot_v[j] = slot_k[j] + [k], slot_v[j] + [v]
             cp, ci = torch.softmax(drafter.compute_logits(h).float(), -1).topk(topk)
             for s, d in zip(cp.tolist(), ci.tolist(), strict=True):
                 children.append(dict(score=f["score"] * s, tok=d + int(drafter.d2t[d]), parent=f, depth=depth,
-                                     hin=h, anc=(f["anc"][0] + [k], f["anc"][1] + [v])))
+                                     hin=h))
         cands += children
         frontier = sorted(children, key=lambda c: -c["score"])[:topk]
     chosen = sorted(cands, key=lambda c: -c["score"])[: num_draft_tokens - 1]
