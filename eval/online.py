@@ -33,6 +33,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -121,15 +122,29 @@ def run_engine(python: str, job: dict[str, Any], *, timeout_s: int, env: dict[st
         job_path, out_path, log_path = Path(tmp, "job.json"), Path(tmp, "out.json"), Path(tmp, "engine.log")
         job_path.write_text(json.dumps(job))
         t0 = time.perf_counter()
-        with open(log_path, "w") as logf:
+        n_req = len(job["requests"])
+        with open(log_path, "w") as logf, subprocess.Popen(
+                [python, str(DRIVER), str(job_path), str(out_path)], stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, env=env, text=True, errors="replace") as proc:
+            watchdog = threading.Timer(timeout_s, proc.kill)
+            watchdog.start()
+            done = 0
+            assert proc.stdout is not None
             try:
-                proc = subprocess.run([python, str(DRIVER), str(job_path), str(out_path)], stdout=logf,
-                                      stderr=subprocess.STDOUT, env=env, timeout=timeout_s, check=False)
-            except subprocess.TimeoutExpired as e:
-                raise OnlineError(f"{what}: the engine ran past {timeout_s} s; its log ends with:\n"
-                                  + _tail(log_path)) from e
-        if proc.returncode != 0 or not out_path.is_file():
-            raise OnlineError(f"{what}: the engine failed (exit {proc.returncode}, {python}); its log ends with:\n"
+                for line in proc.stdout:  # the engine's chatter goes to the log; progress to ours
+                    logf.write(line)
+                    if line.startswith("[vllm_driver]"):
+                        done += 1
+                        if done == 1 or done % 8 == 0 or done == n_req:
+                            log.info("%s: %d/%d requests (%.0f s)", what, done, n_req, time.perf_counter() - t0)
+                rc = proc.wait()
+            finally:
+                watchdog.cancel()
+        if time.perf_counter() - t0 >= timeout_s:
+            raise OnlineError(f"{what}: the engine ran past {timeout_s} s and was stopped; its log ends with:\n"
+                              + _tail(log_path))
+        if rc != 0 or not out_path.is_file():
+            raise OnlineError(f"{what}: the engine failed (exit {rc}, {python}); its log ends with:\n"
                               + _tail(log_path))
         res = json.loads(out_path.read_text())
         res["wall_seconds"] = time.perf_counter() - t0

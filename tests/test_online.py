@@ -198,3 +198,16 @@ def test_driver_usage_error():
     proc = subprocess.run([sys.executable, str(ROOT / "eval" / "vllm_driver.py")], capture_output=True, text=True,
                           check=False)
     assert proc.returncode == 2 and "usage" in proc.stderr
+
+
+def test_engine_timeout_stops_it(world, tmp_path):
+    slow = tmp_path / "slow" / "vllm"
+    slow.mkdir(parents=True)
+    (slow / "__init__.py").write_text(FAKE_VLLM.replace("    def generate(self, prompts, params, use_tqdm=False):\n",
+                                                        "    def generate(self, prompts, params, use_tqdm=False):\n"
+                                                        "        import time; time.sleep(60)\n"))
+    reader = DatasetReader(world["data"])
+    settings = online.OnlineSettings(steps=STEPS, speed_samples=0, engine_python=sys.executable, timeout_s=3,
+                                     extra_env={"PYTHONPATH": str(slow.parent)})
+    with pytest.raises(online.OnlineError, match="ran past 3 s"):
+        online.measure(world["ckpt"], reader, [0], settings, target=str(world["target"]))
