@@ -445,7 +445,8 @@ def evaluate_drafter(
             agree, counted = agree + a_r, counted + c_r
             w = None
             if tree:
-                w = walk.walk_accepted(tree_acc[r, :length], lm_c[r, :length], k_steps, max_new_tokens=max_new)
+                w = walk.walk_accepted(tree_acc[r, :length], ids_c[r, :length], argmax_c[r, :length],
+                                       lm_c[r, :length], k_steps, max_new_tokens=max_new)
             elif greedy:
                 w = walk.walk_chain(drafts[r, :length], ids_c[r, :length], argmax_c[r, :length], lm_c[r, :length],
                                     max_new_tokens=max_new)

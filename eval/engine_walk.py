@@ -29,7 +29,11 @@ Rules, with the engine source each one follows (vLLM 0.32.0 as shipped by ``vllm
    ``managers/utils.py::get_num_generated_tokens``, before the stop cut); its per-request ``meta_info["spec_accept_length"]`` is ``completion_tokens / spec_verify_ct``
    (``managers/tokenizer_manager.py``): output tokens after the stop cut, the prefill token included.
 4. Stop. The request ends when the end-of-turn token is produced or ``max_tokens`` output tokens
-   exist (``v1/core/sched/scheduler.py::_update_request_with_output`` cuts the tokens past the
+   exist. The walk stops at the answer's last stored token, except when that token is not the
+   target's argmax: then the answer was cut at generation (``--max-new-tokens``) and closed by the
+   chat template's end-of-turn, which an engine would not produce; the engine stops one token
+   earlier, at ``max_tokens`` (:func:`engine_stop`; ``eval.online`` sets ``max_tokens`` by the
+   same rule) (``v1/core/sched/scheduler.py::_update_request_with_output`` cuts the tokens past the
    stop). vLLM 0.32 drafts all K tokens in the last round too (the scheduler caps drafts only at
    ``max_model_len``), and the counters are taken *before* the cut, so accepted drafts past the
    stop still count (SGLang likewise: nothing under ``speculative/`` caps the draft steps at
@@ -128,9 +132,14 @@ def answer_runs(loss_mask: torch.Tensor) -> list[tuple[int, int]]:
     return runs
 
 
-def _stop_index(a: int, e: int, max_new_tokens: int | None) -> int:
-    """Index of the last token the engine returns: the answer's end, or max_tokens output tokens."""
-    return e if not max_new_tokens or max_new_tokens <= 0 else min(e, a + max_new_tokens - 1)
+def engine_stop(ids: list[int], argmax: list[int], a: int, e: int, max_new_tokens: int | None = None) -> int:
+    """Index of the last answer token an engine returns for the answer ``[a, e]`` (rule 4).
+
+    ``e``, unless the stored last token is not the target's argmax (an answer cut at generation and
+    closed by the chat template): then ``e - 1``. ``max_new_tokens`` (the engine's max_tokens) caps it.
+    """
+    stop = e - 1 if e > a and ids[e] != argmax[e - 1] else e
+    return stop if not max_new_tokens or max_new_tokens <= 0 else min(stop, a + max_new_tokens - 1)
 
 
 def walk_chain(
@@ -147,7 +156,7 @@ def walk_chain(
     d_rows = drafts.tolist()
     st = WalkStats(steps)
     for a, e in answer_runs(loss_mask):
-        stop = _stop_index(a, e, max_new_tokens)
+        stop = engine_stop(ids, tgt, a, e, max_new_tokens)
         produced, rounds = a, 0  # index of the last committed token; the prefill made x[a]
         while produced < stop:
             p = produced - 1
@@ -181,13 +190,14 @@ def walk_chain(
 
 
 def walk_accepted(
-    accepted: torch.Tensor, loss_mask: torch.Tensor, steps: int, *, max_new_tokens: int | None = None
+    accepted: torch.Tensor, input_ids: torch.Tensor, argmax: torch.Tensor, loss_mask: torch.Tensor, steps: int, *,
+    max_new_tokens: int | None = None,
 ) -> WalkStats:
     """The walk with a given accepted count per drafting position (trees: accepted depth); ``accepted`` [T] int."""
-    acc = accepted.tolist()
+    acc, ids, tgt = accepted.tolist(), input_ids.tolist(), argmax.tolist()
     st = WalkStats(steps)
     for a, e in answer_runs(loss_mask):
-        stop = _stop_index(a, e, max_new_tokens)
+        stop = engine_stop(ids, tgt, a, e, max_new_tokens)
         produced, rounds = a, 0
         while produced < stop:
             n = int(acc[produced - 1])
@@ -210,11 +220,15 @@ def walk_accepted(
 
 
 def argmax_agreement(input_ids: torch.Tensor, argmax: torch.Tensor, loss_mask: torch.Tensor) -> tuple[int, int]:
-    """(agreeing, counted): assistant tokens x[t] (t >= 1) that equal the target's argmax at t - 1.
+    """(agreeing, counted): answer tokens an engine returns (rule 4) that equal the target's argmax at t - 1.
 
     All agree iff the answers are the target's own greedy output, the condition under which the
     offline numbers are exact; otherwise they are estimates.
     """
-    lm = loss_mask.to(torch.bool)[1:]
-    same = input_ids[1:].to(torch.int64) == argmax[:-1].to(torch.int64)
-    return int((same & lm).sum()), int(lm.sum())
+    ids, tgt = input_ids.tolist(), argmax.tolist()
+    agree = counted = 0
+    for a, e in answer_runs(loss_mask):
+        for t in range(a, engine_stop(ids, tgt, a, e) + 1):
+            counted += 1
+            agree += ids[t] == tgt[t - 1]
+    return agree, counted

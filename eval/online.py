@@ -30,6 +30,7 @@ import importlib.util
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -125,8 +126,9 @@ def run_engine(python: str, job: dict[str, Any], *, timeout_s: int, env: dict[st
         n_req = len(job["requests"])
         with open(log_path, "w") as logf, subprocess.Popen(
                 [python, str(DRIVER), str(job_path), str(out_path)], stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT, env=env, text=True, errors="replace") as proc:
-            watchdog = threading.Timer(timeout_s, proc.kill)
+                stderr=subprocess.STDOUT, env=env, text=True, errors="replace", start_new_session=True) as proc:
+            # the engine forks workers: stop the whole process group on timeout or when we are interrupted
+            watchdog = threading.Timer(timeout_s, _kill_group, (proc,))
             watchdog.start()
             done = 0
             assert proc.stdout is not None
@@ -138,6 +140,9 @@ def run_engine(python: str, job: dict[str, Any], *, timeout_s: int, env: dict[st
                         if done == 1 or done % 8 == 0 or done == n_req:
                             log.info("%s: %d/%d requests (%.0f s)", what, done, n_req, time.perf_counter() - t0)
                 rc = proc.wait()
+            except BaseException:
+                _kill_group(proc)
+                raise
             finally:
                 watchdog.cancel()
         if time.perf_counter() - t0 >= timeout_s:
@@ -151,6 +156,13 @@ def run_engine(python: str, job: dict[str, Any], *, timeout_s: int, env: dict[st
         return res
 
 
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def _tail(path: Path, lines: int = 40) -> str:
     text = path.read_text(errors="replace").splitlines() if path.is_file() else []
     return "\n".join("  " + s for s in text[-lines:])
@@ -159,16 +171,32 @@ def _tail(path: Path, lines: int = 40) -> str:
 # ----------------------------------------------------------------------------- requests and drafter
 
 
-def build_requests(reader: Any, indices: Sequence[int], max_new_tokens: int = 0) -> list[Request]:
-    """One request per answer of each sample: the token ids before it, the stored answer, its max_tokens."""
+def sample_argmax(s: Any, lm_head: Any = None) -> list[int]:
+    """The target's argmax at every position of a stored sample (top-k teacher, else last hidden x lm_head)."""
+    if s.topk_ids is not None:
+        lp = s.topk_logprobs.float().masked_fill(s.topk_ids < 0, float("-inf"))
+        return s.topk_ids.gather(-1, lp.argmax(-1, keepdim=True)).squeeze(-1).tolist()
+    if lm_head is None or s.last_hidden is None:
+        raise OnlineError("the dataset stores neither a top-k teacher nor the last hidden state with a target lm_head")
+    return (s.last_hidden.float() @ lm_head.float().T).argmax(-1).tolist()
+
+
+def build_requests(reader: Any, indices: Sequence[int], max_new_tokens: int = 0, lm_head: Any = None) -> list[Request]:
+    """One request per answer of each sample: the token ids before it, the stored answer, its max_tokens.
+
+    max_tokens follows the walk's stop rule (``eval.engine_walk.engine_stop``): the stored answer's
+    length, one less when its last token is not the target's argmax (an answer cut at generation
+    and closed by the chat template), or ``max_new_tokens`` when given.
+    """
     reqs = []
     for i in indices:
         s = reader.get(i)
         ids = [int(t) for t in s.input_ids.tolist()]
+        argmax = sample_argmax(s, lm_head)
         for j, (a, e) in enumerate(walk.answer_runs(s.loss_mask)):
-            answer = ids[a : e + 1]
-            reqs.append(Request(id=f"{reader.sample_ids[i]}#{j}", sample=i, prompt=ids[:a], answer=answer,
-                                max_tokens=max_new_tokens if max_new_tokens > 0 else len(answer)))
+            stop = walk.engine_stop(ids, argmax, a, e, max_new_tokens or None)
+            reqs.append(Request(id=f"{reader.sample_ids[i]}#{j}", sample=i, prompt=ids[:a], answer=ids[a : stop + 1],
+                                max_tokens=stop - a + 1))
     if not reqs:
         raise OnlineError(f"{reader.root}: the selected samples have no answer with a prompt before it")
     return reqs
@@ -231,7 +259,12 @@ def measure(ckpt: str | Path, reader: Any, indices: Sequence[int], settings: Onl
     if not tpath or not Path(tpath).is_dir():
         raise OnlineError(f"target folder {tpath!r} (from {'--target' if target else 'the manifest'}) does not exist; "
                           "pass --target PATH")
-    reqs = build_requests(reader, indices, settings.max_new_tokens)
+    lm_head = None
+    if not reader.has_topk:
+        from eval.acceptance import _read_lm_head
+
+        lm_head = _read_lm_head(reader.manifest, Path(tpath), "cpu")
+    reqs = build_requests(reader, indices, settings.max_new_tokens, lm_head)
     longest = max(len(r.prompt) + r.max_tokens + settings.steps + 1 for r in reqs)
     max_model_len = max(settings.max_model_len, longest)
     env = engine_env(python, extra=settings.extra_env)
@@ -251,7 +284,7 @@ def measure(ckpt: str | Path, reader: Any, indices: Sequence[int], settings: Onl
     rows = spec["requests"]
     by_id = {r.id: r for r in reqs}
     for row in rows:
-        row["same_as_data"] = row["output_token_ids"] == by_id[row["id"]].answer[: by_id[row["id"]].max_tokens]
+        row["same_as_data"] = row["output_token_ids"] == by_id[row["id"]].answer
         row["sample"] = by_id[row["id"]].sample
     same = [r for r in rows if r["same_as_data"]]
     base_rows = base["requests"] if base else []

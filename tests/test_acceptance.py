@@ -100,10 +100,14 @@ def test_teacher_from_last_hidden_agrees_with_topk(world):
 
 
 def _agreement(case):
-    """(agreeing, counted) straight from the case: assistant tokens equal to the previous row's argmax."""
+    """(agreeing, counted) straight from the case: assistant tokens equal to the previous row's argmax; an
+    answer's last token off the argmax (a cut answer's closing token, which no engine returns) is not counted."""
     ids, tgt, lm, am = case["input_ids"], case["target_ids"], case["loss_mask"], case["attention_mask"]
     counted = lm[:, 1:] & am[:, 1:]
-    return int(((ids[:, 1:] == tgt[:, :-1]) & counted).sum()), int(counted.sum())
+    same = ids[:, 1:] == tgt[:, :-1]
+    last = counted & ~torch.cat((counted[:, 1:], torch.zeros_like(counted[:, :1])), 1)  # last token of each answer
+    counted = counted & ~(last & ~same)
+    return int((same & counted).sum()), int(counted.sum())
 
 
 def test_exact_label_comes_from_the_data(world, tmp_path):

@@ -103,21 +103,31 @@ def test_walk_is_not_the_per_position_mean(greedy_case):
 def test_walk_accepted_follows_the_counts():
     """Accept n at the visited position, move n + 1; the stop cuts the output but not the counters (vLLM)."""
     lm = torch.tensor([0, 0, 1, 1, 1, 1, 1, 1, 1, 0], dtype=torch.bool)  # one answer: tokens 2..8
+    ids, argmax = torch.arange(10), torch.arange(1, 11)  # greedy data: every token is the previous argmax
     acc = torch.full((10,), -1)
     acc[1], acc[4], acc[6] = 2, 1, 3  # positions the walk visits: 1 -> 1+3=4 -> 4+2=6 -> stop
-    st = ew.walk_accepted(acc, lm, 3)
+    st = ew.walk_accepted(acc, ids, argmax, lm, 3)
     assert (st.rounds, st.accepted, st.accepted_per_pos) == (3, 6, [3, 2, 1])
     assert st.output_tokens == 7  # tokens 2..8, the last round's extra accepted drafts cut
     assert st.request_tau_sum == pytest.approx(7 / 3)
-    capped = ew.walk_accepted(acc, lm, 3, max_new_tokens=3)  # tokens 2..4: two rounds are enough
+    capped = ew.walk_accepted(acc, ids, argmax, lm, 3, max_new_tokens=3)  # tokens 2..4: one round is enough
     assert (capped.rounds, capped.output_tokens) == (1, 3)
+    cut = argmax.clone()
+    cut[7] = 0  # the stored last token (8) is not the argmax: an answer cut at generation, closed by the template
+    assert ew.engine_stop(ids.tolist(), cut.tolist(), 2, 8) == 7
+    st_cut = ew.walk_accepted(acc, ids, cut, lm, 3)
+    assert (st_cut.rounds, st_cut.output_tokens) == (2, 6)  # 1 -> 4 -> 7, the new stop
+    assert ew.argmax_agreement(ids, cut, lm) == (6, 6)  # the cut token is not one the engine returns
     with pytest.raises(ValueError, match="drafting position 1"):
-        ew.walk_accepted(torch.full((10,), -1), lm, 3)
+        ew.walk_accepted(torch.full((10,), -1), ids, argmax, lm, 3)
 
 
 def test_answer_runs_and_agreement():
     lm = torch.tensor([1, 0, 1, 1, 0, 1], dtype=torch.bool)
     assert ew.answer_runs(lm) == [(2, 3), (5, 5)]  # a run at index 0 has no prompt
     ids = torch.tensor([5, 6, 7, 8, 9, 4])
-    argmax = torch.tensor([6, 7, 8, 0, 3, 0])
-    assert ew.argmax_agreement(ids, argmax, lm) == (2, 3)  # tokens 2 and 3 follow the argmax, 5 does not
+    argmax = torch.tensor([6, 0, 8, 0, 3, 0])
+    # token 2 is off the argmax, 3 follows it (and ends its answer), 5 is a one-token answer (the prefill's)
+    assert ew.argmax_agreement(ids, argmax, lm) == (1, 3)
+    argmax[2] = 0  # now answer (2, 3) ends off the argmax: a cut answer's closing token, not counted
+    assert ew.argmax_agreement(ids, argmax, lm) == (0, 2)
