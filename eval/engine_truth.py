@@ -83,13 +83,15 @@ def format_comparison(k: int, c: dict[str, Any], same: int, total: int) -> str:
 
 def markdown(results: dict[str, Any]) -> str:
     lines = ["| K | samples compared | tau online | tau offline (walk) | rel. error | per-position rates online | "
-             "offline | max |diff| | per-position mean tau (diagnostic) |", "|---|---|---:|---:|---:|---|---|---:|---:|"]
+             "offline | max abs. diff | verify rounds online / offline | per-position mean tau (diagnostic) |",
+             "|---|---|---:|---:|---:|---|---|---:|---:|---:|"]
     for k, r in results["by_steps"].items():
         c = r["comparison"]
         lines.append(
             f"| {k} | {r['compared_samples']} of {r['samples']} | {c['tau_online']:.3f} | {c['tau_offline']:.3f} | "
             f"{c['tau_rel_error']:.2%} | {' / '.join(f'{x:.3f}' for x in c['rate_online'])} | "
             f"{' / '.join(f'{x:.3f}' for x in c['rate_offline'])} | {max(c['rate_abs_error']):.3f} | "
+            f"{c['online_drafts']} / {c['offline_rounds']} | "
             f"{c['per_position_tau']:.3f} ({c['per_position_rel_error']:.1%}) |")
     return "\n".join(lines) + "\n"
 
