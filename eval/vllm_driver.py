@@ -47,7 +47,10 @@ def run(job: dict) -> dict:
     load_s = time.perf_counter() - t0
     results = []
     for req in job["requests"]:
-        params = SamplingParams(temperature=0.0, max_tokens=int(req["max_tokens"]), ignore_eos=False)
+        temperature = float(job.get("temperature", 0.0))
+        seeded = {"seed": int(job.get("seed", 0))} if temperature > 0 else {}  # sampled runs reproduce
+        params = SamplingParams(temperature=temperature, max_tokens=int(req["max_tokens"]), ignore_eos=False,
+                                **seeded)
         before = read_counters(llm, steps) if job.get("drafter") else None
         t1 = time.perf_counter()
         out = llm.generate([{"prompt_token_ids": req["prompt_token_ids"]}], params, use_tqdm=False)

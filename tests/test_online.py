@@ -36,7 +36,7 @@ class _M:
 
 
 class SamplingParams:
-    def __init__(self, temperature, max_tokens, ignore_eos=False):
+    def __init__(self, temperature, max_tokens, ignore_eos=False, **kw):
         self.max_tokens = max_tokens
 
 
