@@ -52,6 +52,7 @@ Trees: the same walk with the tree's accepted depth at each visited position
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -155,38 +156,23 @@ def walk_chain(
     ids, tgt, n_tok = input_ids.tolist(), argmax.tolist(), int(input_ids.shape[0])
     d_rows = drafts.tolist()
     st = WalkStats(steps)
-    for a, e in answer_runs(loss_mask):
-        stop = engine_stop(ids, tgt, a, e, max_new_tokens)
-        produced, rounds = a, 0  # index of the last committed token; the prefill made x[a]
-        while produced < stop:
-            p = produced - 1
-            d = d_rows[p]
-            n = 0
-            for k in range(steps):
-                r = p + 1 + k  # argmax row that verifies draft k (it predicts token r + 1)
-                if r >= n_tok:
-                    st.unverifiable += 1
-                    break
-                if k > 0 and ids[r] != tgt[r - 1]:  # the data left the argmax: row r is not the engine's
-                    st.off_path += 1
-                    break
-                if d[k] != tgt[r]:
-                    break
-                n += 1
-            st.rounds += 1
-            rounds += 1
-            st.draft_tokens += steps
-            st.accepted += n
-            for i in range(n):
-                st.accepted_per_pos[i] += 1
-            produced += n + 1
-        out = min(produced, stop) - a + 1
-        st.requests += 1
-        st.output_tokens += out
-        if rounds:
-            st.request_tau_sum += out / rounds
-            st.request_tau_n += 1
-    return st
+
+    def accepted_at(p: int) -> int:
+        d, n = d_rows[p], 0
+        for k in range(steps):
+            r = p + 1 + k  # argmax row that verifies draft k (it predicts token r + 1)
+            if r >= n_tok:
+                st.unverifiable += 1
+                break
+            if k > 0 and ids[r] != tgt[r - 1]:  # the data left the argmax: row r is not the engine's
+                st.off_path += 1
+                break
+            if d[k] != tgt[r]:
+                break
+            n += 1
+        return n
+
+    return _walk(st, ids, tgt, loss_mask, accepted_at, max_new_tokens)
 
 
 def walk_accepted(
@@ -194,18 +180,27 @@ def walk_accepted(
     max_new_tokens: int | None = None,
 ) -> WalkStats:
     """The walk with a given accepted count per drafting position (trees: accepted depth); ``accepted`` [T] int."""
-    acc, ids, tgt = accepted.tolist(), input_ids.tolist(), argmax.tolist()
-    st = WalkStats(steps)
+    acc = accepted.tolist()
+
+    def accepted_at(p: int) -> int:
+        if acc[p] < 0:
+            raise ValueError(f"walk_accepted: no accepted count at drafting position {p}")
+        return int(acc[p])
+
+    return _walk(WalkStats(steps), input_ids.tolist(), argmax.tolist(), loss_mask, accepted_at, max_new_tokens)
+
+
+def _walk(st: WalkStats, ids: list[int], tgt: list[int], loss_mask: torch.Tensor, accepted_at: Callable[[int], int],
+          max_new_tokens: int | None) -> WalkStats:
+    """Rules 1-4 for every answer: rounds from the answer's start, n accepted at each visited position, move n + 1."""
     for a, e in answer_runs(loss_mask):
         stop = engine_stop(ids, tgt, a, e, max_new_tokens)
-        produced, rounds = a, 0
+        produced, rounds = a, 0  # index of the last committed token; the prefill made x[a]
         while produced < stop:
-            n = int(acc[produced - 1])
-            if n < 0:
-                raise ValueError(f"walk_accepted: no accepted count at drafting position {produced - 1}")
+            n = accepted_at(produced - 1)
             st.rounds += 1
             rounds += 1
-            st.draft_tokens += steps
+            st.draft_tokens += st.steps
             st.accepted += n
             for i in range(n):
                 st.accepted_per_pos[i] += 1
