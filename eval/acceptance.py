@@ -8,9 +8,17 @@ CKPT is a training run folder (``OUT/``, its ``latest`` step is used), a ``step-
 checkpoint, or a foreign SGLang/SpecForge drafter folder (config.json + model.safetensors;
 its layer ids are read in SGLang's convention for the dataset's target architecture).
 
-Numbers follow SGLang's convention: acceptance length tau = accepted drafts + 1 (the bonus token
-the target always adds). The maths is in :mod:`eval.simulate`; this module loads, batches,
-aggregates and reports. :func:`evaluate` is the library entry point (the trainer's periodic
+tau is the engine's number: tokens per verify round, 1 + accepted drafts / verify rounds, over the
+positions an engine visits when it answers each prompt (start of the answer, accept n, move n + 1,
+stop at the end of turn or ``--max-new-tokens``); the rules and the engine source each follows
+are in :mod:`eval.engine_walk`. The mean over *every* drafting position is kept as a diagnostic
+under its own name (``per_position``): it reads high once acceptance is substantial, because
+positions inside accepted runs are easier and engines never draft from them. The drafting maths
+is in :mod:`eval.simulate`; this module loads, batches, aggregates and reports.
+
+Exactness comes from the data: the numbers are exact (up to numerics) only when every assistant
+token is the target's argmax at the previous position; otherwise the agreeing fraction is
+reported and the numbers are called an estimate. :func:`evaluate` is the library entry point (the trainer's periodic
 validation can call it); importing this module has no side effects.
 
 Split: by default the held-out validation ids recorded in each checkpoint's redraft.json. With
@@ -18,9 +26,16 @@ several checkpoints the intersection of their recorded splits is used, so every 
 scored on samples none of them trained on; drafters without a record (imported ones) do not
 constrain it, and if none has one every sample is used, with a warning.
 
-Approximations at temperature > 0 (reported as "expected"): the chain follows the data tokens
-rather than a sampled path, and a top-k teacher is the stored top-k renormalised at temperature T
-(a teacher from ``last_hidden`` is exact over the full vocabulary).
+Temperature > 0 (reported as "expected", per position; there is no engine walk): both engines
+draft greedily and by default verify against the target alone, accepting draft d with probability
+p_T(d) (vLLM ``v1/sample/rejection_sampler.py``, ``draft_sample_method="greedy"`` -> no draft probs,
+``draft_prob = 1``; SGLang ``speculative/eagle_utils.py::eagle_sample`` ->
+``tree_speculative_sampling_target_only`` with zero draft probs). ``--rejection-sampling`` gives the
+opt-in rule sum_v min(p, q) (vLLM ``draft_sample_method="probabilistic"``, SGLang
+``--speculative-use-rejection-sampling``). SGLang verifies greedily on CPU whatever the temperature
+(``_verify_uses_greedy``: ``is_cpu``). Approximations: the chain follows the data tokens rather than
+a sampled path, and a top-k teacher is the stored top-k renormalised at temperature T (a teacher
+from ``last_hidden`` is exact over the full vocabulary).
 """
 
 from __future__ import annotations
@@ -47,9 +62,11 @@ from core.dataset.batch import collate  # noqa: E402
 from core.dataset.reader import DatasetReader  # noqa: E402
 from core.drafter.folder import CheckpointError, load_drafter_checkpoint, read_record, resolve_drafter_folder  # noqa: E402
 from core.drafter.modeling import Eagle3Drafter  # noqa: E402
+from core.layers import ENGINES  # noqa: E402
 from core.plotting import atomic_write_png, pyplot  # noqa: E402
 from core.target_weights import read_target_tensor, weight_key_candidates  # noqa: E402
 from core.teacher_targets import teacher_from_last_hidden, teacher_from_topk, topk_argmax  # noqa: E402
+from eval import engine_walk as walk  # noqa: E402
 from eval import simulate as sim  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -248,6 +265,7 @@ class _Group:
     accept_sum: torch.Tensor = field(default=None)  # type: ignore[assignment]
     tree_positions: int = 0
     tree_accepted: float = 0.0
+    walk: walk.WalkStats | None = None  # the engine walk (chain, or tree with --topk > 1); None at T > 0
 
     def __post_init__(self) -> None:
         if self.accept_sum is None:
@@ -256,7 +274,11 @@ class _Group:
     def summary(self, tree: bool) -> dict[str, Any]:
         mean = (self.accept_sum / max(self.positions, 1)).tolist()
         acc = self.tree_accepted / max(self.tree_positions, 1) if tree else sum(mean)
-        out = {"positions": self.positions, "tau": 1.0 + acc, "accepted_drafts": acc}
+        out = {"positions": self.positions, "per_position_tau": 1.0 + acc}
+        if self.walk is not None:
+            out.update(tau=self.walk.tau, accepted_drafts=self.walk.tau - 1.0, rounds=self.walk.rounds)
+        else:
+            out.update(tau=1.0 + acc, accepted_drafts=acc)
         if tree:
             out["tree_positions"] = self.tree_positions
         return out
@@ -271,8 +293,21 @@ class Settings:
     batch_tokens: int = 8192
     tree_positions: int = 64
     teacher: str = "auto"
+    engine: str | None = None  # None: vllm for chains, sglang for trees
+    rejection_sampling: bool = False
+    max_new_tokens: int = 0
 
     def check(self) -> None:
+        if self.engine is None:
+            self.engine = "sglang" if self.topk > 1 else "vllm"
+        if self.engine == "vllm" and self.topk > 1:
+            raise AcceptanceError("--engine vllm with --topk > 1: vLLM drafts trees from a static "
+                                  "speculative_token_tree, not SGLang's dynamic top-k tree simulated here; use "
+                                  "--engine sglang")
+        if self.engine not in ENGINES:
+            raise AcceptanceError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.max_new_tokens < 0:
+            raise AcceptanceError(f"--max-new-tokens must be >= 0, got {self.max_new_tokens}")
         if self.steps < 1:
             raise AcceptanceError(f"--steps must be >= 1, got {self.steps}")
         if self.topk < 1:
@@ -297,15 +332,26 @@ class Settings:
                 raise AcceptanceError("tree drafting (--topk > 1) is simulated at --temperature 0 only")
 
 
-def _evaluation_label(manifest: dict[str, Any], temperature: float) -> tuple[str, str]:
-    gen = manifest.get("generation")
-    greedy_data = isinstance(gen, dict) and float(gen.get("temperature", -1)) == 0.0
+def _evaluation_label(temperature: float, agree: int, counted: int, unverifiable: int) -> tuple[str, str]:
+    """(label, note) from the data itself: exact only where every counted assistant token is the target's argmax."""
     if temperature > 0:
-        return "expected", (f"expected acceptance at temperature {temperature} (speculative sampling, "
-                            "sum of min(p, q)) along the data path")
-    if greedy_data:
-        return "exact", "exact: the data is the target's own greedy output"
-    return "lower_bound", "along the data path (lower bound): chains stop where the data leaves the target's argmax"
+        return "expected", (f"expected acceptance per drafting position at temperature {temperature} along the "
+                            "data path (no engine walk at T > 0)")
+    frac = agree / counted if counted else 0.0
+    tail = (f"; {unverifiable} draft(s) past the data's last row counted rejected (the engine verifies them)"
+            if unverifiable else "")
+    if counted and agree == counted:
+        return "exact", (f"exact: all {counted} assistant tokens are the target's argmax at the previous position "
+                         f"(its own greedy output){tail}")
+    return "estimate", (f"estimate: {agree} of {counted} assistant tokens ({frac:.1%}) are the target's argmax; "
+                        f"where the data leaves it, chains are cut (a lower bound there){tail}")
+
+
+def _sample_rows(res: Any, bsz: int, seq: int, steps: int) -> torch.Tensor:
+    """[B, T, K] drafts (target ids) at the simulated positions, -1 elsewhere."""
+    full = torch.full((bsz, seq, steps), -1, dtype=torch.int64)
+    full[res.sample.cpu(), res.position.cpu()] = res.drafts.cpu().to(torch.int64)
+    return full
 
 
 @torch.no_grad()
@@ -321,94 +367,149 @@ def evaluate_drafter(
     if kind == "last_hidden" and lm_head is None:
         raise AcceptanceError("teacher 'last_hidden' needs lm_head (evaluate() reads it from the target)")
     k_steps, tree = settings.steps, settings.topk > 1
-    dtype = next(drafter.parameters()).dtype
+    greedy = settings.temperature <= 0
     total = _Group(k_steps)
     groups: dict[str, dict[str, _Group]] = {"source": {}, "category": {}}
     reasons = torch.zeros(4, dtype=torch.float64)
     tree_reasons = torch.zeros(4, dtype=torch.float64)
+    walk_len = {j: walk.WalkStats(j) for j in range(1, k_steps + 1)} if greedy and not tree else {}
+    agree = counted = 0
     tokens = 0
+    max_new = settings.max_new_tokens or None
     t0 = time.perf_counter()
     batches = make_batches(indices, reader.lengths, settings.batch_tokens)
     for chunk in tqdm(batches, desc=desc, unit="batch", disable=not progress, leave=False):
-        batch = collate([reader.get(i) for i in chunk]).to(device, dtype)
+        batch = collate([reader.get(i) for i in chunk]).to(device, dtype=next(drafter.parameters()).dtype)
         tokens += batch.num_tokens
         argmax, p = teacher_for_batch(batch, drafter, kind, settings.temperature, lm_head)
         common = dict(input_ids=batch.input_ids, aux_hidden=batch.aux_hidden,
                       attention_mask=batch.attention_mask, loss_mask=batch.loss_mask)
-        if settings.temperature > 0:
+        if not greedy:
+            rule = "rejection" if settings.rejection_sampling else "target_only"
             res = sim.simulate_chain_sampled(drafter, teacher_p=p, temperature=settings.temperature,
-                                             steps=k_steps, **common)
+                                             steps=k_steps, rule=rule, **common)
             step0 = None
         else:
             res, step0 = sim.simulate_chain_greedy(drafter, target_ids=argmax, steps=k_steps, **common)
         tres = None
-        if tree:
-            where = sim.tree_positions(sim.drafting_positions(batch.loss_mask, batch.attention_mask),
-                                       settings.tree_positions)
+        bsz, seq = batch.input_ids.shape
+        where = sim.drafting_positions(batch.loss_mask, batch.attention_mask)
+        if tree:  # every drafting position: the walk visits positions that depend on earlier acceptance
             tres = sim.simulate_tree(drafter, step0, input_ids=batch.input_ids, loss_mask=batch.loss_mask,
                                      target_ids=argmax, positions=where, topk=settings.topk,
                                      num_draft_tokens=settings.num_draft_tokens, steps=k_steps)
-            tree_reasons += torch.bincount(tres.reason.cpu(), minlength=4).double()
+            sub = sim.tree_positions(where, settings.tree_positions).cpu()  # the per-position diagnostic's subset
+            keep = sub[tres.sample.cpu(), tres.position.cpu()]
+            tree_reasons += torch.bincount(tres.reason.cpu()[keep], minlength=4).double()
+            tree_acc = torch.full((bsz, seq), -1, dtype=torch.int64)
+            tree_acc[tres.sample.cpu(), tres.position.cpu()] = tres.accepted.cpu().to(torch.int64)
         reasons += torch.bincount(res.reason.cpu(), minlength=4).double()
         acc = res.accept_prob.double().cpu()
         rows = res.sample.cpu()
+        ids_c, lm_c, am_c = batch.input_ids.cpu(), batch.loss_mask.cpu(), batch.attention_mask.cpu()
+        argmax_c = argmax.cpu()
+        drafts = _sample_rows(res, bsz, seq, k_steps) if greedy and not tree else None
         for r, idx in enumerate(chunk):
             sel = rows == r
             n = int(sel.sum())
             s = acc[sel].sum(0)
+            length = int(am_c[r].sum())
+            a_r, c_r = walk.argmax_agreement(ids_c[r, :length], argmax_c[r, :length], lm_c[r, :length])
+            agree, counted = agree + a_r, counted + c_r
+            w = None
+            if tree:
+                w = walk.walk_accepted(tree_acc[r, :length], ids_c[r, :length], argmax_c[r, :length],
+                                       lm_c[r, :length], k_steps, max_new_tokens=max_new)
+            elif greedy:
+                w = walk.walk_chain(drafts[r, :length], ids_c[r, :length], argmax_c[r, :length], lm_c[r, :length],
+                                    max_new_tokens=max_new)
+                for j in range(1, k_steps):
+                    walk_len[j] += walk.walk_chain(drafts[r, :length, :j], ids_c[r, :length], argmax_c[r, :length],
+                                                   lm_c[r, :length], max_new_tokens=max_new)
+                walk_len[k_steps] += w
             keys = {"source": reader.sources[idx] or "-", "category": reader.categories[idx] or "-"}
             targets = [total] + [groups[g].setdefault(v, _Group(k_steps)) for g, v in keys.items()]
             t_n, t_sum = 0, 0.0
             if tres is not None:
-                tsel = tres.sample.cpu() == r
+                tsel = (tres.sample.cpu() == r) & keep
                 t_n, t_sum = int(tsel.sum()), float(tres.accepted.cpu()[tsel].sum())
             for g in targets:
                 g.positions += n
                 g.accept_sum += s
                 g.tree_positions += t_n
                 g.tree_accepted += t_sum
+                if w is not None:
+                    if g.walk is None:
+                        g.walk = walk.WalkStats(k_steps)
+                    g.walk += w
     seconds = time.perf_counter() - t0
-    return _summarise(total, groups, reasons, tree_reasons, settings, reader, len(indices), tokens, seconds)
+    return _summarise(total, groups, reasons, tree_reasons, settings, reader, len(indices), tokens, seconds,
+                      walk_len, agree, counted)
 
 
 def _summarise(total: _Group, groups: dict[str, dict[str, _Group]], reasons: torch.Tensor,
                tree_reasons: torch.Tensor, settings: Settings, reader: Any, samples: int, tokens: int,
-               seconds: float) -> dict[str, Any]:
+               seconds: float, walk_len: dict[int, walk.WalkStats], agree: int, counted: int) -> dict[str, Any]:
     k_steps, tree = settings.steps, settings.topk > 1
     n = max(total.positions, 1)
-    mean = (total.accept_sum / n).tolist()  # P(draft k accepted)
+    mean = (total.accept_sum / n).tolist()  # P(draft k accepted) over every drafting position
     cond = [mean[0]] + [mean[k] / mean[k - 1] if mean[k - 1] > 0 else 0.0 for k in range(1, k_steps)]
-    tau_len = {str(j): 1.0 + sum(mean[:j]) for j in range(1, k_steps + 1)}
-    label, note = _evaluation_label(reader.manifest, settings.temperature)
+    pp_len = {str(j): 1.0 + sum(mean[:j]) for j in range(1, k_steps + 1)}
+    engine_walk = total.walk.summary() if total.walk is not None else None
+    label, note = _evaluation_label(settings.temperature, agree, counted,
+                                    engine_walk["unverifiable_drafts"] if engine_walk else 0)
     frac = (reasons / max(float(reasons.sum()), 1.0)).tolist()
+    per_position = {
+        "tau": pp_len[str(k_steps)],
+        "accepted_drafts": sum(mean),
+        "accept_rate": mean,
+        "conditional_accept_rate": cond,
+        "tau_per_chain_length": pp_len,
+        "positions": total.positions,
+    }
     out: dict[str, Any] = {
         "settings": {"steps": k_steps, "topk": settings.topk, "num_draft_tokens": settings.num_draft_tokens,
                      "temperature": settings.temperature, "teacher": _teacher_kind(reader, settings.teacher),
-                     "tree_positions_per_sample": settings.tree_positions if tree else None},
+                     "tree_positions_per_sample": settings.tree_positions if tree else None,
+                     "engine": settings.engine, "rejection_sampling": settings.rejection_sampling,
+                     "max_new_tokens": settings.max_new_tokens or None},
         "samples": samples,
         "tokens": tokens,
         "positions": total.positions,
-        "chain_tau": tau_len[str(k_steps)],
-        "chain_accepted_drafts": sum(mean),
-        "tau_per_chain_length": tau_len,
-        "accept_rate": mean,
-        "conditional_accept_rate": cond,
+        "engine_walk": engine_walk,
+        "per_position": per_position,
         "stop_reasons": {name: frac[code] for code, name in sim.REASONS.items()},
+        "data_argmax_agreement": {"agreeing": agree, "counted": counted,
+                                  "fraction": agree / counted if counted else 0.0},
         "evaluation": label,
         "evaluation_note": note,
         "seconds": seconds,
         "tokens_per_s": tokens / max(seconds, 1e-9),
         "positions_per_s": total.positions / max(seconds, 1e-9),
     }
+    if engine_walk is not None:
+        out["tau_estimator"] = "engine_walk"
+        tau, rates = engine_walk["tau"], engine_walk["accept_rate"]
+        out["tau_per_chain_length"] = ({str(j): w.tau for j, w in walk_len.items()} if walk_len
+                                       else {str(k_steps): tau})
+    else:
+        out["tau_estimator"] = "per_position_expected"
+        tau, rates = per_position["tau"], mean
+        out["tau_per_chain_length"] = pp_len
+    out["chain_tau"] = walk_len[k_steps].tau if walk_len else per_position["tau"]
     if tree:
         tfrac = (tree_reasons / max(float(tree_reasons.sum()), 1.0)).tolist()
         t_acc = total.tree_accepted / max(total.tree_positions, 1)
-        out["tree"] = {"positions": total.tree_positions, "tau": 1.0 + t_acc, "accepted_drafts": t_acc,
+        out["tree"] = {"positions": total.tree_positions, "per_position_tau": 1.0 + t_acc,
+                       "tau": tau, "engine_walk": engine_walk,
                        "stop_reasons": {name: tfrac[code] for code, name in sim.REASONS.items()}}
-        out["tau"], out["accepted_drafts"] = 1.0 + t_acc, t_acc
+        out["chain_tau"] = per_position["tau"]  # trees: the chain is simulated per position only
+        out["per_position"]["tree_tau"] = 1.0 + t_acc
     else:
         out["tree"] = None
-        out["tau"], out["accepted_drafts"] = out["chain_tau"], out["chain_accepted_drafts"]
+    out["tau"], out["accepted_drafts"], out["accept_rate"] = tau, tau - 1.0, rates
+    if settings.engine == "sglang" and engine_walk is not None:
+        out["sglang_request_accept_length"] = engine_walk["sglang_request_accept_length"]
     for g, table in groups.items():
         out[f"by_{g}"] = {k: v.summary(tree) for k, v in sorted(table.items())}
     return out
@@ -432,9 +533,13 @@ def evaluate(
     dtype: torch.dtype = torch.float32,
     indices: Sequence[int] | None = None,
     progress: bool = False,
+    engine: str | None = None,
+    rejection_sampling: bool = False,
+    max_new_tokens: int = 0,
 ) -> dict[str, Any]:
     """Load one checkpoint and evaluate it on ``reader`` (its recorded split unless ``indices`` is given)."""
-    settings = Settings(steps, topk, num_draft_tokens, temperature, batch_tokens, tree_positions, teacher)
+    settings = Settings(steps, topk, num_draft_tokens, temperature, batch_tokens, tree_positions, teacher,
+                        engine, rejection_sampling, max_new_tokens)
     settings.check()
     drafter, folder, record = load_drafter(checkpoint_path, reader, target=target, device=device, dtype=dtype)
     split_desc = "given"
@@ -473,24 +578,40 @@ def _rows(results: dict[str, dict[str, Any]]) -> list[tuple[str, list[str]]]:
         rows.append((label, [fn(r) for r in results.values()]))
 
     mode = "tree" if first["tree"] else "chain"
-    add(f"tau ({mode}, accepted + 1)", lambda r: f"{r['tau']:.3f}")
-    add("accepted drafts", lambda r: f"{r['accepted_drafts']:.3f}")
-    if first["tree"]:
-        add(f"chain tau (K={k_steps})", lambda r: f"{r['chain_tau']:.3f}")
+    walked = first["tau_estimator"] == "engine_walk"
+    how = "engine walk, 1 + accepted/rounds" if walked else "expected per position, accepted + 1"
+    add(f"tau ({mode}, {how})", lambda r: f"{r['tau']:.3f}")
+    add("accepted drafts per round" if walked else "accepted drafts", lambda r: f"{r['accepted_drafts']:.3f}")
     for k in range(k_steps):
-        add(f"P(accept) draft {k + 1}", lambda r, k=k: f"{r['accept_rate'][k]:.3f}")
-    for j in range(1, k_steps + 1):
-        add(f"tau chain length {j}", lambda r, j=j: f"{r['tau_per_chain_length'][str(j)]:.3f}")
+        add(f"P(accept) draft {k + 1}" + (" (per round)" if walked else ""),
+            lambda r, k=k: f"{r['accept_rate'][k]:.3f}")
+    if walked and not first["tree"]:
+        for j in range(1, k_steps + 1):
+            add(f"tau chain length {j}", lambda r, j=j: f"{r['tau_per_chain_length'][str(j)]:.3f}")
+    if walked:
+        add("requests / verify rounds", lambda r: f"{r['engine_walk']['requests']} / {r['engine_walk']['rounds']}")
+    if first.get("sglang_request_accept_length") is not None:
+        add("SGLang meta_info accept length", lambda r: f"{r['sglang_request_accept_length']:.3f}")
+    if walked:
+        add("diagnostic: per-position mean tau", lambda r: f"{r['per_position']['tau']:.3f}")
+        if not first["tree"]:
+            for k in range(k_steps):
+                add(f"diagnostic: per-position rate {k + 1}",
+                    lambda r, k=k: f"{r['per_position']['accept_rate'][k]:.3f}")
+    if first["tree"]:
+        add(f"diagnostic: chain tau per position (K={k_steps})", lambda r: f"{r['chain_tau']:.3f}")
     for g in ("source", "category"):
         keys = sorted({k for r in results.values() for k in r[f"by_{g}"]})
         for key in keys:
             add(f"tau {g}={key}", lambda r, g=g, key=key: (
                 f"{r[f'by_{g}'][key]['tau']:.3f}" if key in r[f"by_{g}"] else "-"))
-    add("positions evaluated", lambda r: str(r["tree"]["positions"] if r["tree"] else r["positions"]))
+    add("drafting positions (diagnostic)", lambda r: str(r["tree"]["positions"] if r["tree"] else r["positions"]))
     add("samples / tokens", lambda r: f"{r['samples']} / {r['tokens']}")
     add("stopped: end / off-path", lambda r: (
         f"{r['stop_reasons']['end']:.3f} / {r['stop_reasons']['off_path']:.3f}"))
     add("evaluation", lambda r: r["evaluation"])
+    add("assistant tokens = target argmax", lambda r: (
+        f"{r['data_argmax_agreement']['agreeing']}/{r['data_argmax_agreement']['counted']}"))
     add("eval tokens/s", lambda r: f"{r['tokens_per_s']:.0f}")
     return rows
 
@@ -530,7 +651,7 @@ def write_plot(results: dict[str, dict[str, Any]], path: str | Path) -> None:
     for name, r in results.items():
         ks = list(range(1, len(r["accept_rate"]) + 1))
         a.plot(ks, r["accept_rate"], marker="o", label=name)
-        b.plot(ks, [r["tau_per_chain_length"][str(k)] for k in ks], marker="o", label=name)
+        b.plot(ks, [r["tau_per_chain_length"].get(str(k), float("nan")) for k in ks], marker="o", label=name)
     a.set(xlabel="draft position", ylabel="P(draft accepted)", title="acceptance per draft position", ylim=(0, 1))
     b.set(xlabel="chain length (steps)", ylabel="tau (accepted + 1)", title="tau against steps")
     from matplotlib.ticker import MaxNLocator
@@ -549,8 +670,9 @@ def write_plot(results: dict[str, dict[str, Any]], path: str | Path) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m eval.acceptance",
-        description="Offline acceptance length (SGLang convention: accepted drafts + 1) of EAGLE-3 drafters "
-                    "on a redraft dataset; several checkpoints are shown side by side.",
+        description="Offline acceptance length of EAGLE-3 drafters on a redraft dataset, in the engine's "
+                    "convention (1 + accepted drafts / verify rounds over the positions an engine visits); the "
+                    "mean over every drafting position is shown as a diagnostic. Several checkpoints side by side.",
     )
     p.add_argument("checkpoints", nargs="+", metavar="CKPT",
                    help="run folder (uses its 'latest'), step-XXXXXXX folder, or SGLang/SpecForge drafter folder")
@@ -560,7 +682,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-draft-tokens", type=int, default=None,
                    help="SGLang --speculative-num-draft-tokens (tree budget incl. the root); topk 1 forces steps+1")
     p.add_argument("--temperature", type=float, default=0.0,
-                   help="0 = greedy, exact or lower bound; > 0 = expected acceptance via sum min(p, q)")
+                   help="0 = greedy: the engine walk, exact where the data is the target's greedy output; > 0 = "
+                        "expected acceptance per position (target-only verification of greedy drafts)")
+    p.add_argument("--engine", choices=ENGINES, default=None,
+                   help="whose rules and counters (default: vllm for chains, sglang for trees): sglang adds its "
+                        "per-request meta_info accept length (completion tokens / verify rounds) and is the only "
+                        "tree rule simulated (SGLang's dynamic top-k tree and draft KV slots)"),
+    p.add_argument("--rejection-sampling", action="store_true",
+                   help="T > 0: the opt-in speculative-sampling rule sum min(p, q) (vLLM draft_sample_method="
+                        "probabilistic, SGLang --speculative-use-rejection-sampling) instead of the default "
+                        "target-only rule p_T(draft)")
+    p.add_argument("--max-new-tokens", type=int, default=0,
+                   help="the engine's max_tokens: the walk stops after this many answer tokens (0 = at the end of "
+                        "each stored answer)")
     p.add_argument("--split", choices=("val", "all"), default="val",
                    help="val (default): the held-out ids recorded at training (intersection over checkpoints); "
                         "all: every sample")
@@ -572,7 +706,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-tokens", type=int, default=8192,
                    help="padded tokens (B x T_max) per batch; attention memory grows with B x T^2")
     p.add_argument("--tree-positions", type=int, default=64,
-                   help="trees only: at most N evenly spaced drafting positions per sample (0 = all)")
+                   help="trees only: the per-position diagnostic uses at most N evenly spaced drafting positions "
+                        "per sample (0 = all); the engine walk uses the positions it visits")
     p.add_argument("--json", default=None, help="write all metrics as JSON (a key per checkpoint)")
     p.add_argument("--markdown", default=None, help="write the table as Markdown")
     p.add_argument("--plot", default=None, help="write a PNG: acceptance per draft position and tau against steps")
@@ -587,7 +722,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = Settings(args.steps, args.topk, args.num_draft_tokens, args.temperature, args.batch_tokens,
-                        args.tree_positions, args.teacher)
+                        args.tree_positions, args.teacher, args.engine, args.rejection_sampling,
+                        args.max_new_tokens)
     settings.check()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     reader = DatasetReader(args.data)
@@ -605,7 +741,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                progress=not args.no_progress, desc=folder.name)
         res.update(checkpoint=str(ckpt), resolved=str(folder), split=split, step=(record or {}).get("step"))
         results[name] = res
-        log.info("%s: tau %.3f (%d positions, %.0f tokens/s)", name, res["tau"], res["positions"],
+        log.info("%s: tau %.3f (%s; %d drafting positions, %.0f tokens/s)", name, res["tau"], res["tau_estimator"],
+                 res["positions"],
                  res["tokens_per_s"])
         del drafter
     print(format_table(results), flush=True)
