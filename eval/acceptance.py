@@ -56,203 +56,26 @@ if __package__ in (None, ""):  # run as a script path: make the repo root import
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from core.atomic import atomic_write_text  # noqa: E402
-from core.batching import pack_batches  # noqa: E402
 from core.config import ConfigError, parse_args_with_config  # noqa: E402
 from core.dataset.batch import collate  # noqa: E402
 from core.dataset.reader import DatasetReader  # noqa: E402
-from core.drafter.folder import CheckpointError, load_drafter_checkpoint, read_record, resolve_drafter_folder  # noqa: E402
-from core.drafter.modeling import Eagle3Drafter  # noqa: E402
 from core.layers import ENGINES  # noqa: E402
-from core.plotting import atomic_write_png, pyplot  # noqa: E402
-from core.target_weights import read_target_tensor, weight_key_candidates  # noqa: E402
-from core.teacher_targets import teacher_from_last_hidden, teacher_from_topk, topk_argmax  # noqa: E402
 from eval import engine_walk as walk  # noqa: E402
 from eval import simulate as sim  # noqa: E402
+from eval.acceptance_report import format_markdown, format_table, write_plot  # noqa: E402
+from eval.evaluation_inputs import (  # noqa: E402
+    AcceptanceError,
+    inspect_checkpoint,
+    load_drafter,
+    make_batches,
+    read_lm_head,
+    select_samples,
+    target_folder,
+    teacher_for_batch,
+    teacher_kind,
+)
 
 log = logging.getLogger(__name__)
-
-
-class AcceptanceError(ValueError):
-    """A checkpoint, dataset or option combination that cannot be evaluated; the message names both sides."""
-
-
-# ----------------------------------------------------------------------------- checkpoints
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A drafter folder: ``path`` itself, or a run folder's ``latest`` step (else its newest step-*)."""
-    try:
-        return resolve_drafter_folder(path)
-    except CheckpointError as e:
-        raise AcceptanceError(str(e)) from e
-
-
-def check_fits(cfg: Any, manifest: dict[str, Any], num_aux: int, source: str, data: str) -> None:
-    """Refuse a drafter whose target hidden size, vocab or layer ids differ from the dataset's."""
-    pairs = [
-        ("target hidden size", cfg.target_hidden_size, int(manifest["hidden_size"]), "hidden_size"),
-        ("vocab size", cfg.vocab_size, int(manifest["vocab_size"]), "vocab_size"),
-        ("aux layer ids", list(cfg.aux_layer_ids), [int(i) for i in manifest.get("aux_layer_ids") or []],
-         "aux_layer_ids"),
-        ("number of aux layers", cfg.num_aux_layers, num_aux, "aux_hidden width / hidden_size"),
-    ]
-    problems = [f"{what}: drafter {source} has {mine!r}, dataset {data} has {theirs!r} ({key})"
-                for what, mine, theirs, key in pairs if mine != theirs]
-    if problems:
-        raise AcceptanceError("checkpoint does not fit the data: " + "; ".join(problems))
-
-
-def check_fingerprint(record: dict[str, Any] | None, manifest: dict[str, Any], source: str, data: str) -> None:
-    """Refuse a redraft drafter trained on data from another tokenizer or chat template (same shapes, other ids)."""
-    recorded = (record or {}).get("dataset") or {}
-    problems = [f"{key}: drafter {source} was trained on {recorded[key]!r}, dataset {data} has {manifest[key]!r}"
-                for key in ("tokenizer_hash", "chat_template_hash")
-                if recorded.get(key) and manifest.get(key) and recorded[key] != manifest[key]]
-    if problems:
-        raise AcceptanceError("checkpoint does not fit the data: " + "; ".join(problems))
-
-
-def _target_folder(manifest: dict[str, Any], target: str | Path | None, data: str) -> Path:
-    path = Path(target) if target else Path(str((manifest.get("target") or {}).get("path", "")))
-    if not path.exists():
-        raise AcceptanceError(
-            f"target folder {str(path)!r} (from {'--target' if target else data + '/manifest.json target.path'}) "
-            "does not exist; the drafter needs the target's input embedding: pass --target PATH"
-        )
-    return path
-
-
-def _key_candidates(manifest: dict[str, Any], target: Path, which: str) -> list[str]:
-    """Embedding (which='embed') or lm_head keys: the manifest's recorded key first, then the usual names."""
-    tinfo = manifest.get("target") or {}
-    keys = [tinfo[f"{which}_key"]] if tinfo.get(f"{which}_key") else []
-    cfg_file = target / "config.json"
-    if cfg_file.is_file():
-        embed, head = weight_key_candidates(json.loads(cfg_file.read_text()))
-        keys += embed if which == "embed" else head
-    return list(dict.fromkeys(keys))
-
-
-def _load_checked(folder: Path, reader: Any) -> tuple[Any, dict[str, torch.Tensor]]:
-    manifest = reader.manifest
-    tinfo = manifest.get("target") or {}
-    try:
-        cfg, state = load_drafter_checkpoint(
-            folder, target_architecture=tinfo.get("architecture") or "LlamaForCausalLM",
-            target_num_layers=int(manifest["num_layers"]),
-        )
-    except CheckpointError as e:
-        raise AcceptanceError(str(e)) from e
-    check_fits(cfg, manifest, reader.num_aux, str(folder), str(reader.root))
-    check_fingerprint(read_record(folder), manifest, str(folder), str(reader.root))
-    return cfg, state
-
-
-def inspect_checkpoint(checkpoint: str | Path, reader: Any) -> tuple[Path, dict[str, Any] | None]:
-    """(resolved folder, redraft record or None), after checking the drafter fits the data."""
-    folder = resolve_checkpoint(checkpoint)
-    _load_checked(folder, reader)
-    return folder, read_record(folder)
-
-
-def load_drafter(
-    checkpoint: str | Path, reader: Any, *, target: str | Path | None = None, device: str = "cpu",
-    dtype: torch.dtype = torch.float32,
-) -> tuple[Any, Path, dict[str, Any] | None]:
-    """(drafter with the target embedding, resolved folder, redraft record or None) checked against the data."""
-    folder = resolve_checkpoint(checkpoint)
-    manifest = reader.manifest
-    cfg, state = _load_checked(folder, reader)
-    impl = "sdpa" if str(device).startswith("cuda") else "eager"
-    drafter = Eagle3Drafter(cfg, attention_impl=impl)
-    drafter.load_serving_state_dict(state)
-    tpath = _target_folder(manifest, target, str(reader.root))
-    drafter.load_target_embedding(tpath, _key_candidates(manifest, tpath, "embed"))
-    drafter.to(device=device, dtype=dtype).eval()
-    return drafter, folder, read_record(folder)
-
-
-# ----------------------------------------------------------------------------- samples
-
-
-def select_samples(
-    reader: Any, records: Sequence[dict[str, Any] | None], split: str, max_samples: int = 0
-) -> tuple[list[int], str]:
-    """(dataset indices in dataset order, description). See the module docstring for the rules."""
-    if split not in ("val", "all"):
-        raise AcceptanceError(f"--split must be 'val' or 'all', got {split!r}")
-    indices = list(range(len(reader)))
-    desc = "all"
-    if split == "val":
-        recorded = [set(map(str, r["val_ids"])) for r in records if r and r.get("val_ids") is not None]
-        if not recorded:
-            log.warning("no checkpoint records a validation split (imported drafters?): evaluating on ALL %d "
-                        "samples, which may include training data", len(reader))
-        else:
-            if len(recorded) < len(records):
-                log.warning("%d of %d checkpoints record no validation split; using the others' split",
-                            len(records) - len(recorded), len(records))
-            wanted = set.intersection(*recorded)
-            if len(wanted) < max(len(s) for s in recorded):
-                log.warning("checkpoints record different validation splits; using their intersection "
-                            "(%d ids)", len(wanted))
-            present = set(reader.sample_ids)
-            missing = wanted - present
-            if missing:
-                log.warning("%d validation ids are not in %s (another dataset?); skipping them",
-                            len(missing), reader.root)
-            indices = [i for i, s in enumerate(reader.sample_ids) if s in wanted]
-            if not indices:
-                raise AcceptanceError(
-                    f"the recorded validation split has no sample in {reader.root} (intersection of "
-                    f"{len(recorded)} checkpoint split(s)); use --split all"
-                )
-            desc = "val"
-    if max_samples > 0:
-        indices = indices[:max_samples]
-    return indices, desc
-
-
-def make_batches(indices: Sequence[int], lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
-    """Length-sorted batches whose padded size B * T_max stays within ``batch_tokens`` (one sample at least)."""
-    groups = pack_batches([lengths[i] for i in indices], batch_tokens)
-    return [[indices[j] for j in group] for group in groups]
-
-
-# ----------------------------------------------------------------------------- teacher
-
-
-def teacher_for_batch(
-    batch: Any, drafter: Any, kind: str, temperature: float, lm_head: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(argmax [B, T] full vocab, teacher prob on the draft vocab at temperature T [B, T, Vd] or None at T=0)."""
-    if kind == "topk":
-        ids, lp = batch.topk_ids, batch.topk_logprobs.float()
-        argmax = topk_argmax(ids, lp, drafter.config.vocab_size)
-        if temperature <= 0:
-            return argmax, None
-        valid = (ids >= 0) & (ids < drafter.config.vocab_size)
-        lp_t = torch.log_softmax(lp.masked_fill(~valid, float("-inf")) / temperature, dim=-1)  # truncated to the top-k
-        return argmax, teacher_from_topk(ids, lp_t, drafter.t2d, drafter.d2t).p_on_draft
-    if lm_head is None:
-        raise AcceptanceError("teacher 'last_hidden' needs the target's lm_head")
-    scale = temperature if temperature > 0 else 1.0
-    t = teacher_from_last_hidden(batch.last_hidden.float() / scale, lm_head, drafter.t2d)
-    return t.target_ids, (t.p_on_draft if temperature > 0 else None)
-
-
-def _teacher_kind(reader: Any, wanted: str) -> str:
-    has_topk, has_last = reader.has_topk, bool(getattr(reader, "has_last_hidden", False))
-    if wanted == "auto":
-        wanted = "topk" if has_topk else "last_hidden"
-    if (wanted == "topk" and not has_topk) or (wanted == "last_hidden" and not has_last):
-        raise AcceptanceError(f"teacher {wanted!r} is not stored in {reader.root} (teacher {reader.teacher})")
-    return wanted
-
-
-def _read_lm_head(manifest: dict[str, Any], target: Path, device: str) -> torch.Tensor:
-    weight, _ = read_target_tensor(target, _key_candidates(manifest, target, "lm_head"))
-    return weight.to(device=device, dtype=torch.float32)
 
 
 # ----------------------------------------------------------------------------- aggregation
@@ -363,7 +186,7 @@ def evaluate_drafter(
     from tqdm import tqdm
 
     settings.check()
-    kind = _teacher_kind(reader, settings.teacher)
+    kind = teacher_kind(reader, settings.teacher)
     if kind == "last_hidden" and lm_head is None:
         raise AcceptanceError("teacher 'last_hidden' needs lm_head (evaluate() reads it from the target)")
     k_steps, tree = settings.steps, settings.topk > 1
@@ -469,7 +292,7 @@ def _summarise(total: _Group, groups: dict[str, dict[str, _Group]], reasons: tor
     }
     out: dict[str, Any] = {
         "settings": {"steps": k_steps, "topk": settings.topk, "num_draft_tokens": settings.num_draft_tokens,
-                     "temperature": settings.temperature, "teacher": _teacher_kind(reader, settings.teacher),
+                     "temperature": settings.temperature, "teacher": teacher_kind(reader, settings.teacher),
                      "tree_positions_per_sample": settings.tree_positions if tree else None,
                      "engine": settings.engine, "rejection_sampling": settings.rejection_sampling,
                      "max_new_tokens": settings.max_new_tokens or None},
@@ -546,8 +369,8 @@ def evaluate(
     if indices is None:
         indices, split_desc = select_samples(reader, [record], split, max_samples)
     lm_head = None
-    if _teacher_kind(reader, teacher) == "last_hidden":
-        lm_head = _read_lm_head(reader.manifest, _target_folder(reader.manifest, target, str(reader.root)), device)
+    if teacher_kind(reader, teacher) == "last_hidden":
+        lm_head = read_lm_head(reader.manifest, target_folder(reader.manifest, target, str(reader.root)), device)
     res = evaluate_drafter(drafter, reader, indices, settings, device=device, lm_head=lm_head, progress=progress,
                            desc=folder.name)
     res.update(checkpoint=str(checkpoint_path), resolved=str(folder), split=split_desc,
@@ -567,101 +390,6 @@ def _names(paths: Sequence[str]) -> list[str]:
         seen[name] = seen.get(name, 0) + 1
         out.append(name if seen[name] == 1 else f"{name}#{seen[name]}")
     return out
-
-
-def _rows(results: dict[str, dict[str, Any]]) -> list[tuple[str, list[str]]]:
-    first = next(iter(results.values()))
-    k_steps = first["settings"]["steps"]
-    rows: list[tuple[str, list[str]]] = []
-
-    def add(label: str, fn) -> None:
-        rows.append((label, [fn(r) for r in results.values()]))
-
-    mode = "tree" if first["tree"] else "chain"
-    walked = first["tau_estimator"] == "engine_walk"
-    how = "engine walk, 1 + accepted/rounds" if walked else "expected per position, accepted + 1"
-    add(f"tau ({mode}, {how})", lambda r: f"{r['tau']:.3f}")
-    add("accepted drafts per round" if walked else "accepted drafts", lambda r: f"{r['accepted_drafts']:.3f}")
-    for k in range(k_steps):
-        add(f"P(accept) draft {k + 1}" + (" (per round)" if walked else ""),
-            lambda r, k=k: f"{r['accept_rate'][k]:.3f}")
-    if walked and not first["tree"]:
-        for j in range(1, k_steps + 1):
-            add(f"tau chain length {j}", lambda r, j=j: f"{r['tau_per_chain_length'][str(j)]:.3f}")
-    if walked:
-        add("requests / verify rounds", lambda r: f"{r['engine_walk']['requests']} / {r['engine_walk']['rounds']}")
-    if first.get("sglang_request_accept_length") is not None:
-        add("SGLang meta_info accept length", lambda r: f"{r['sglang_request_accept_length']:.3f}")
-    if walked:
-        add("diagnostic: per-position mean tau", lambda r: f"{r['per_position']['tau']:.3f}")
-        if not first["tree"]:
-            for k in range(k_steps):
-                add(f"diagnostic: per-position rate {k + 1}",
-                    lambda r, k=k: f"{r['per_position']['accept_rate'][k]:.3f}")
-    if first["tree"]:
-        add(f"diagnostic: chain tau per position (K={k_steps})", lambda r: f"{r['chain_tau']:.3f}")
-    for g in ("source", "category"):
-        keys = sorted({k for r in results.values() for k in r[f"by_{g}"]})
-        for key in keys:
-            add(f"tau {g}={key}", lambda r, g=g, key=key: (
-                f"{r[f'by_{g}'][key]['tau']:.3f}" if key in r[f"by_{g}"] else "-"))
-    add("drafting positions (diagnostic)", lambda r: str(r["tree"]["positions"] if r["tree"] else r["positions"]))
-    add("samples / tokens", lambda r: f"{r['samples']} / {r['tokens']}")
-    add("stopped: end / off-path", lambda r: (
-        f"{r['stop_reasons']['end']:.3f} / {r['stop_reasons']['off_path']:.3f}"))
-    add("evaluation", lambda r: r["evaluation"])
-    add("assistant tokens = target argmax", lambda r: (
-        f"{r['data_argmax_agreement']['agreeing']}/{r['data_argmax_agreement']['counted']}"))
-    add("eval tokens/s", lambda r: f"{r['tokens_per_s']:.0f}")
-    return rows
-
-
-def format_table(results: dict[str, dict[str, Any]]) -> str:
-    """Plain-text table, one column per checkpoint."""
-    rows = _rows(results)
-    names = list(results)
-    w0 = max(len(label) for label, _ in rows)
-    widths = [max(len(n), *(len(v[i]) for _, v in rows)) for i, n in enumerate(names)]
-    lines = ["  ".join([" " * w0] + [n.rjust(w) for n, w in zip(names, widths, strict=True)])]
-    lines.append("  ".join(["-" * w0] + ["-" * w for w in widths]))
-    for label, vals in rows:
-        lines.append("  ".join([label.ljust(w0)] + [v.rjust(w) for v, w in zip(vals, widths, strict=True)]))
-    first = next(iter(results.values()))
-    lines.append("")
-    lines.append(first["evaluation_note"])
-    return "\n".join(lines)
-
-
-def format_markdown(results: dict[str, dict[str, Any]]) -> str:
-    rows = _rows(results)
-    names = list(results)
-    lines = ["| metric | " + " | ".join(f"`{n}`" for n in names) + " |",
-             "|---|" + "---:|" * len(names)]
-    lines += ["| " + label + " | " + " | ".join(vals) + " |" for label, vals in rows]
-    first = next(iter(results.values()))
-    lines += ["", f"_{first['evaluation_note']}_", ""]
-    return "\n".join(lines)
-
-
-def write_plot(results: dict[str, dict[str, Any]], path: str | Path) -> None:
-    """Two panels: acceptance rate per draft position, and tau against chain length; checkpoints side by side."""
-    plt = pyplot()
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    for name, r in results.items():
-        ks = list(range(1, len(r["accept_rate"]) + 1))
-        a.plot(ks, r["accept_rate"], marker="o", label=name)
-        b.plot(ks, [r["tau_per_chain_length"].get(str(k), float("nan")) for k in ks], marker="o", label=name)
-    a.set(xlabel="draft position", ylabel="P(draft accepted)", title="acceptance per draft position", ylim=(0, 1))
-    b.set(xlabel="chain length (steps)", ylabel="tau (accepted + 1)", title="tau against steps")
-    from matplotlib.ticker import MaxNLocator
-
-    for ax in (a, b):
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    atomic_write_png(fig, path)
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -732,8 +460,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     log.info("evaluating %d checkpoint(s) on %d samples (%s split) of %s", len(inspected), len(indices), split,
              args.data)
     lm_head = None
-    if _teacher_kind(reader, args.teacher) == "last_hidden":
-        lm_head = _read_lm_head(reader.manifest, _target_folder(reader.manifest, args.target, args.data), args.device)
+    if teacher_kind(reader, args.teacher) == "last_hidden":
+        lm_head = read_lm_head(reader.manifest, target_folder(reader.manifest, args.target, args.data), args.device)
     results: dict[str, dict[str, Any]] = {}
     for name, ckpt in zip(_names(args.checkpoints), args.checkpoints, strict=True):
         drafter, folder, record = load_drafter(ckpt, reader, target=args.target, device=args.device, dtype=dtype)

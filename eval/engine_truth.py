@@ -29,6 +29,7 @@ if __package__ in (None, ""):
 
 from core.atomic import atomic_write_text  # noqa: E402
 from eval import acceptance, online  # noqa: E402
+from eval.acceptance_report import format_table  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +122,7 @@ def run(ckpt: str, data: str, steps: Sequence[int], tol: Tolerances, *, max_samp
             out["by_steps"][str(k)] = entry
             continue
         off = acceptance.evaluate(ckpt, reader, steps=k, indices=same, target=target)
-        print(acceptance.format_table({f"offline K={k}": off}), flush=True)
+        print(format_table({f"offline K={k}": off}), flush=True)
         c = compare(off, on["same_tokens"], tol)
         entry["offline"] = {kk: v for kk, v in off.items() if not kk.startswith("by_")}
         entry["comparison"] = c

@@ -356,7 +356,8 @@ def format_markdown(res: dict[str, Any]) -> str:
 
 
 def select(reader: Any, ckpt: str, split: str, max_samples: int) -> list[int]:
-    from eval.acceptance import read_record, resolve_checkpoint, select_samples
+    from core.drafter.folder import read_record
+    from eval.evaluation_inputs import resolve_checkpoint, select_samples
 
     record = None
     if split == "val":

@@ -228,17 +228,18 @@ def simulate_chain_sampled(
         raise ValueError(f"simulate_chain_sampled: temperature must be > 0, got {temperature}")
     if rule not in ("target_only", "rejection"):
         raise ValueError(f"simulate_chain_sampled: rule must be 'target_only' or 'rejection', got {rule!r}")
+    s0 = run_step0(drafter, input_ids, aux_hidden, attention_mask)
     bsz, seq = input_ids.shape
-    mask = attention_mask.to(torch.bool)
+    mask = s0.attention_mask
     ids = input_ids.to(torch.int64).masked_fill(~mask, 0)
     pos = torch.arange(seq, device=ids.device).expand(bsz, seq)
-    cache = TTTCache()
-    hidden = drafter.project(aux_hidden)
     end_ok, _ = evaluable(input_ids, loss_mask, attention_mask, torch.zeros_like(ids), steps)
+    hidden, logits = s0.hidden, s0.logits.float()
     alphas = []
     for k in range(steps):
-        hidden = drafter(shift_left(ids, 1 + k), hidden, pos + k, cache, mask)
-        logits = drafter.compute_logits(hidden).float()
+        if k:  # teacher-forced: step k embeds data token t+1+k (s0's cache is this chain's own)
+            hidden = drafter(shift_left(ids, 1 + k), hidden, pos + k, s0.cache, mask)
+            logits = drafter.compute_logits(hidden).float()
         p = shift_left(teacher_p.float(), 1 + k, 0.0)
         if rule == "target_only":  # greedy draft d accepted with probability p(d)
             alphas.append(p.gather(-1, logits.argmax(-1, keepdim=True)).squeeze(-1))

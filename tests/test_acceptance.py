@@ -15,6 +15,7 @@ from core.dataset.reader import DatasetReader
 from core.drafter.folder import write_drafter_folder
 from core.drafter.serving_format import serving_config
 from eval import acceptance as acc
+from eval import evaluation_inputs as inputs
 from eval import simulate as sim
 
 STEPS = 3
@@ -54,10 +55,10 @@ def world(tmp_path_factory):
 
 
 def test_resolve_run_folder_follows_latest(world):
-    assert acc.resolve_checkpoint(world["run"]) == world["run"] / "step-0000020"
-    assert acc.resolve_checkpoint(world["step10"]) == world["step10"]
+    assert inputs.resolve_checkpoint(world["run"]) == world["run"] / "step-0000020"
+    assert inputs.resolve_checkpoint(world["step10"]) == world["step10"]
     with pytest.raises(acc.AcceptanceError, match="not a drafter folder"):
-        acc.resolve_checkpoint(world["root"])
+        inputs.resolve_checkpoint(world["root"])
 
 
 def test_evaluate_matches_direct_simulation(world):
