@@ -48,6 +48,7 @@ from extract.generated import (
     has_generation,
 )
 from extract.records import Record, read_records, write_records_jsonl
+from extract.regen_engines import Regenerator, make_regenerator
 from extract.regenerate import regenerate_records
 
 log = logging.getLogger(__name__)
@@ -141,6 +142,9 @@ def make_plan(cfg: ExtractConfig, inputs: Sequence[Path], num_records: int, skip
         # Regenerated turns are kept as the generated ids (extract.generated); a folder regenerated as
         # text by an older version must not be resumed into.
         "regenerated_as": "token_ids" if cfg.regenerate else None,
+        # Which engine wrote the replies; absent for the default (hf), so folders started before the
+        # option existed still resume.
+        **({"regen_backend": cfg.regen_backend} if cfg.regenerate and cfg.regen_backend != "hf" else {}),
     }
 
 
@@ -199,13 +203,15 @@ def make_header(cfg: ExtractConfig, backend: TargetBackend, parse_skipped: Count
         aux_layer_ids=info.aux_layer_ids, tokenizer_hash=tokenizer_hash(backend.tokenizer),
         chat_template_hash=chat_template_hash(backend.tokenizer), teacher=cfg.teacher,
         topk=cfg.topk if "topk" in cfg.teacher else None, hidden_dtype=cfg.hidden_dtype, max_length=cfg.max_length,
-        backend=cfg.backend, generation=_generation(cfg).to_manifest() if cfg.regenerate else None,
+        backend=cfg.backend,
+        generation={**_generation(cfg).to_manifest(), "backend": cfg.regen_backend} if cfg.regenerate else None,
         regenerated=REGEN_NAME if cfg.regenerate else None, skipped=parse_skipped,
     )
 
 
 def _regenerated_shard(
-    cfg: ExtractConfig, out: Path, shard: int, records: list[Record], backend: TargetBackend
+    cfg: ExtractConfig, out: Path, shard: int, records: list[Record], backend: TargetBackend,
+    regenerator: Regenerator | None = None,
 ) -> list[Record]:
     path = out / REGEN_DIR / f"shard-{shard:06d}.jsonl"
     if path.exists():
@@ -214,7 +220,7 @@ def _regenerated_shard(
             return [replace(orig, messages=new.messages) for orig, new in zip(records, again, strict=True)]
         log.warning("%s: %d records, expected %d; regenerating", path, len(again), len(records))
     new = regenerate_records(backend, records, _generation(cfg, shard), max_length=cfg.max_length,
-                             max_user_turns=cfg.max_user_turns)
+                             max_user_turns=cfg.max_user_turns, regenerator=regenerator)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_records_jsonl(path, new)
     return new
@@ -245,12 +251,13 @@ def _items(cfg: ExtractConfig, tokenizer: Any, records: list[Record]) -> list[_I
 
 
 def extract_shard(
-    cfg: ExtractConfig, out: Path, shard: int, records: list[Record], backend: TargetBackend, progress: tqdm
+    cfg: ExtractConfig, out: Path, shard: int, records: list[Record], backend: TargetBackend, progress: tqdm,
+    regenerator: Regenerator | None = None,
 ) -> tuple[list[SampleFeatures], Counter, ExactnessCounts]:
     """Capture one shard's samples; returns them in input order, the per-reason skip counts and the
     check of the samples captured from generated ids (as handed to the store's writer)."""
     if cfg.regenerate:
-        records = _regenerated_shard(cfg, out, shard, records, backend)
+        records = _regenerated_shard(cfg, out, shard, records, backend, regenerator)
     skipped: Counter = Counter()
     items = _items(cfg, backend.tokenizer, records)
     # Progress counts records (a conversation may give several samples): done with its last sample.
@@ -405,8 +412,11 @@ def run_extraction(cfg: ExtractConfig) -> ExtractSummary:
         summary.shards_reused = len(mine) - len(todo)
         header_path = out / HEADER_NAME
         backend: TargetBackend | None = None
+        regenerator: Regenerator | None = None
         if todo or not header_path.exists():
             backend = load_backend(cfg, target_path)
+            if cfg.regenerate:
+                regenerator = make_regenerator(cfg, backend, target_path)
             atomic_write_text(header_path, json.dumps(make_header(cfg, backend, parsed.skipped), indent=2,
                                                        sort_keys=True) + "\n")
         S = cfg.samples_per_shard
@@ -417,7 +427,7 @@ def run_extraction(cfg: ExtractConfig) -> ExtractSummary:
                 for s in todo:
                     assert backend is not None
                     samples, skipped, checked = extract_shard(cfg, out, s, records[s * S : (s + 1) * S], backend,
-                                                              progress)
+                                                              progress, regenerator)
                     # The check goes to disk before the shard: a shard at its final name always has one.
                     if checked.samples or cfg.regenerate:
                         atomic_write_text(_check_path(out, s), json.dumps(checked.to_json(), sort_keys=True) + "\n")
@@ -434,6 +444,8 @@ def run_extraction(cfg: ExtractConfig) -> ExtractSummary:
                     summary.generated.merge(checked)
                     summary.bytes_written += (out / info.path).stat().st_size
         finally:
+            if regenerator is not None:
+                regenerator.close()
             if backend is not None:
                 backend.close()
 
