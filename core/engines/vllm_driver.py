@@ -6,7 +6,7 @@ only. :class:`Driver` is also used in-process when the running python has ``vllm
 
 Protocol: one JSON object per line. The first line on stdin is the engine settings (``target``,
 ``drafter`` or null, ``steps``, ``dtype``, ``max_model_len``, ``kv_cache_bytes``, ``max_num_seqs``,
-``seed``); the driver answers ``{"event": "ready", "vllm_version", "load_seconds"}``. Then each
+``gpu_memory_utilization``, ``seed``); the driver answers ``{"event": "ready", "vllm_version", "load_seconds"}``. Then each
 ``{"op": "generate", "requests": [...], "sequential": bool, "counters": bool}`` is answered by
 ``{"event": "progress", "done", "of"}`` lines and one ``{"event": "result", "results": [...]}``;
 ``{"op": "exit"}`` ends it. A failure is ``{"event": "error", "error": traceback}``. The protocol
@@ -86,6 +86,8 @@ class Driver:
                                       kv_cache_memory_bytes=int(settings.get("kv_cache_bytes", 1 << 30)))
         if settings.get("max_num_seqs"):
             kwargs["max_num_seqs"] = int(settings["max_num_seqs"])
+        if settings.get("gpu_memory_utilization"):
+            kwargs["gpu_memory_utilization"] = float(settings["gpu_memory_utilization"])
         if self.drafter:
             kwargs["speculative_config"] = {"method": "eagle3", "model": self.drafter,
                                             "num_speculative_tokens": self.steps}
@@ -95,6 +97,17 @@ class Driver:
         import vllm
 
         self.version = vllm.__version__
+
+    def close(self) -> None:
+        """Shut the engine's processes down now (in-process use: before another engine loads)."""
+        llm, self.llm = getattr(self, "llm", None), None
+        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+        del llm
+        import gc
+
+        gc.collect()
 
     def generate(self, requests: list[dict[str, Any]], *, sequential: bool = False, counters: bool = False,
                  progress: Callable[[int, int], None] | None = None) -> list[dict[str, Any]]:
