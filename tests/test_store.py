@@ -570,10 +570,13 @@ def test_writer_spills_next_to_the_shard_keeps_no_rows_and_cleans_up(tmp_path):
     shards = tmp_path / "shards"
     w = ShardWriter(tmp_path, 3, hidden_dtype="fp8", num_aux=3)
     sample = make_sample("a", 6, last_hidden=True)
-    alive = weakref.ref(sample.aux_hidden)
+    rows = sample.aux_hidden.numpy().copy()
+    sample.aux_hidden = torch.from_numpy(rows)  # the tensor, and any view of it, keeps `rows` alive
+    alive = weakref.ref(rows)
+    del rows
     w.add(sample)
     del sample
-    assert alive() is None  # the writer kept no reference to the sample's features
+    assert alive() is None  # the writer kept nothing of the sample's features, not even a view
     spills = sorted(p.name for p in shards.iterdir())
     # hidden temp names the pipeline's stale-temp cleanup (".shard-NNNNNN.safetensors.tmp-*") matches
     assert spills and all(p.startswith(".shard-000003.safetensors.tmp-") for p in spills), spills

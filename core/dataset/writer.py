@@ -97,7 +97,8 @@ class ShardWriter:
         self.path = Path(root) / self.rel
         self.hidden_dtype = hidden_dtype
         self.num_aux = num_aux
-        self._first: SampleFeatures | None = None  # shapes every later sample must share
+        self._layout: tuple[int, int | None, int | None] | None = None  # widths every sample must share
+        self._first_id = ""
         self._specs: dict[str, tuple[torch.dtype, int]] = {}  # per-token key -> (dtype, row bytes)
         self._spills: dict[str, BinaryIO] = {}
         self._rows = 0  # rows spilled so far (arrival order)
@@ -152,33 +153,24 @@ class ShardWriter:
         """All samples of a shard must share widths and teacher kinds, since rows are packed."""
         if s.sample_id in self._ids:
             raise ValueError(f"sample id {s.sample_id!r} appears twice in one shard")
-        first = self._first
-        if first is None:
-            last_w = None if s.last_hidden is None else s.last_hidden.shape[1]
-            if last_w is not None and last_w * self.num_aux != s.aux_hidden.shape[1]:
+        layout = (s.aux_hidden.shape[1], None if s.topk_ids is None else s.topk_ids.shape[1],
+                  None if s.last_hidden is None else s.last_hidden.shape[1])
+        if self._layout is None:
+            last_w = layout[2]
+            if last_w is not None and last_w * self.num_aux != layout[0]:
                 raise ValueError(
-                    f"sample {s.sample_id!r}: last_hidden width {last_w} != aux_hidden width "
-                    f"{s.aux_hidden.shape[1]} / {self.num_aux}"
+                    f"sample {s.sample_id!r}: last_hidden width {last_w} != aux_hidden width {layout[0]} / {self.num_aux}"
                 )
-            self._first = SampleFeatures(  # shapes only: no feature rows are kept
-                s.sample_id, s.source, s.category, s.input_ids[:0], s.loss_mask[:0], s.aux_hidden[:0],
-                None if s.topk_ids is None else s.topk_ids[:0],
-                None if s.topk_logprobs is None else s.topk_logprobs[:0],
-                None if s.last_hidden is None else s.last_hidden[:0],
-            )
+            self._layout, self._first_id = layout, s.sample_id  # widths only: no feature rows are kept
             return
-        if s.aux_hidden.shape[1] != first.aux_hidden.shape[1]:
-            raise ValueError(f"sample {s.sample_id!r}: aux_hidden width {s.aux_hidden.shape[1]} != "
-                             f"{first.aux_hidden.shape[1]}")
-        k = None if first.topk_ids is None else first.topk_ids.shape[1]
-        sk = None if s.topk_ids is None else s.topk_ids.shape[1]
-        if sk != k:
-            raise ValueError(f"sample {s.sample_id!r}: topk width {sk} != {k} of sample {first.sample_id!r}")
-        last_w = None if first.last_hidden is None else first.last_hidden.shape[1]
-        sl = None if s.last_hidden is None else s.last_hidden.shape[1]
-        if sl != last_w:
+        first = self._first_id
+        if layout[0] != self._layout[0]:
+            raise ValueError(f"sample {s.sample_id!r}: aux_hidden width {layout[0]} != {self._layout[0]}")
+        if layout[1] != self._layout[1]:
+            raise ValueError(f"sample {s.sample_id!r}: topk width {layout[1]} != {self._layout[1]} of sample {first!r}")
+        if layout[2] != self._layout[2]:
             raise ValueError(
-                f"sample {s.sample_id!r}: last_hidden width {sl} != {last_w} of sample {first.sample_id!r}"
+                f"sample {s.sample_id!r}: last_hidden width {layout[2]} != {self._layout[2]} of sample {first!r}"
             )
 
     def _encode(self, s: SampleFeatures) -> dict[str, torch.Tensor]:
