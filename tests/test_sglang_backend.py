@@ -9,10 +9,12 @@ and the layer-id conversion.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import importlib.util
 import sys
 import types
+import weakref
 from pathlib import Path
 
 import pytest
@@ -26,7 +28,7 @@ from extract.backends.sglang import (
     SGLangTarget,
     build_engine_kwargs,
     capture_request,
-    check_lengths,
+    check_response,
     check_teacher,
     generation_request,
     is_multimodal_config,
@@ -132,9 +134,9 @@ def test_engine_kwargs_are_real_server_args_fields():
 
 
 def test_capture_request_asks_for_prompt_logprobs_and_hidden_states():
-    req = capture_request([[1, 2, 3], [4]], 8)
+    req = capture_request([1, 2, 3], 8)
     assert req == {
-        "input_ids": [[1, 2, 3], [4]], "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+        "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
         "return_hidden_states": True, "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 8,
     }
 
@@ -207,17 +209,18 @@ def test_parse_capture_errors_are_specific():
         parse_capture_output(resp, 3)
 
 
-def test_check_lengths_catches_dropped_tokens():
-    prompts = [[1] * 5, [2] * 3]
-    check_lengths(prompts, [_response(5, 4, 2), _response(3, 4, 2)])
-    with pytest.raises(ValueError, match="chunked prefill"):
-        check_lengths(prompts, [_response(5, 4, 2, hidden_rows=2), _response(3, 4, 2)])
+def test_check_response_catches_dropped_tokens():
+    check_response(0, [1] * 5, _response(5, 4, 2))
+    with pytest.raises(ValueError, match="sample #0.*chunked prefill"):
+        check_response(0, [1] * 5, _response(5, 4, 2, hidden_rows=2))
     with pytest.raises(ValueError, match="sample #1.*radix cache"):
-        check_lengths(prompts, [_response(5, 4, 2), _response(3, 4, 2, cached=2)])
-    with pytest.raises(ValueError, match="1 responses for 2 prompts"):
-        check_lengths(prompts, [_response(5, 4, 2)])
+        check_response(1, [2] * 3, _response(3, 4, 2, cached=2))
     with pytest.raises(ValueError, match="prompt_tokens=5"):
-        check_lengths([[1] * 4], [_response(5, 4, 2)])
+        check_response(0, [1] * 4, _response(5, 4, 2))
+    bad = _response(3, 4, 2)
+    bad["meta_info"]["input_top_logprobs"] = bad["meta_info"]["input_top_logprobs"][:2]
+    with pytest.raises(ValueError, match="2 input_top_logprobs rows for 3"):
+        check_response(0, [1] * 3, bad)
 
 
 def test_parse_generate_output_ends_with_the_matched_stop():
@@ -280,11 +283,17 @@ def test_target_info_custom_ids_and_errors(tiny_models, tmp_path):
 # ---------------------------------------------------------------------------------------------------------
 
 
+class _Rows(list):
+    """A response's hidden-state rows (a list, as SGLang sends them) that a weak reference can watch."""
+
+
 class _StandInEngine:
     """Answers like sglang.Engine does for a llama-family target, computed with transformers.
 
     Capture point (sglang/srt/models/llama.py::set_eagle3_layers_to_capture): engine id v is captured
-    at the input of layer v + 1, i.e. HF hidden_states[v + 1].
+    at the input of layer v + 1, i.e. HF hidden_states[v + 1]. Like the real engine it owns an event loop
+    (``loop``) that ``async_generate`` runs on; its answers arrive staggered (request i after i steps),
+    and it records how many earlier responses' hidden-state lists are still alive when each one is made.
     """
 
     started: list[dict] = []
@@ -296,6 +305,10 @@ class _StandInEngine:
         self.kwargs = kwargs
         self.model = AutoModelForCausalLM.from_pretrained(kwargs["model_path"], dtype=torch.float32).eval()
         self.shut = False
+        self.loop = asyncio.new_event_loop()
+        self.in_flight = self.max_in_flight = 0
+        self.lists: list[weakref.ref] = []
+        self.max_lists_alive = 0
         _StandInEngine.started.append(kwargs)
 
     def _one_capture(self, ids: list[int], k: int) -> dict:
@@ -309,7 +322,7 @@ class _StandInEngine:
                                                                                        strict=True)]
         return {
             "output_ids": [int(idx[-1, 0])],
-            "meta_info": {"prompt_tokens": len(ids), "cached_tokens": 0, "hidden_states": [aux.tolist()],
+            "meta_info": {"prompt_tokens": len(ids), "cached_tokens": 0, "hidden_states": [_Rows(aux.tolist())],
                           "input_top_logprobs": [None, *rows[:-1]], "output_top_logprobs": [rows[-1]],
                           "finish_reason": {"type": "length", "length": 1}},
         }
@@ -327,16 +340,40 @@ class _StandInEngine:
                 break
         return {"output_ids": new, "meta_info": {"finish_reason": finish}}
 
-    def generate(self, input_ids, sampling_params, return_hidden_states=False, return_logprob=False,
-                 logprob_start_len=None, top_logprobs_num=None):
-        assert not self.shut
+    def _answer(self, ids, sampling_params, return_hidden_states, return_logprob, logprob_start_len,
+                top_logprobs_num) -> dict:
         if return_hidden_states:
             assert return_logprob and logprob_start_len == 0 and sampling_params["max_new_tokens"] == 1
-            return [self._one_capture(ids, top_logprobs_num) for ids in input_ids]
-        return [self._one_generation(ids, sampling_params) for ids in input_ids]
+            self.max_lists_alive = max(self.max_lists_alive, sum(r() is not None for r in self.lists))
+            out = self._one_capture(ids, top_logprobs_num)
+            self.lists.append(weakref.ref(out["meta_info"]["hidden_states"][0]))
+            return out
+        return self._one_generation(ids, sampling_params)
+
+    def generate(self, input_ids, sampling_params, return_hidden_states=False, return_logprob=False,
+                 logprob_start_len=None, top_logprobs_num=None):
+        """A batch: every response is gathered before any is returned (as in SGLang)."""
+        assert not self.shut
+        return [self._answer(ids, sampling_params, return_hidden_states, return_logprob, logprob_start_len,
+                             top_logprobs_num) for ids in input_ids]
+
+    async def async_generate(self, input_ids, sampling_params, return_hidden_states=False, return_logprob=False,
+                             logprob_start_len=None, top_logprobs_num=None):
+        """One sequence (a flat id list gives a dict back, as in SGLang), answered after its turn comes."""
+        assert not self.shut and input_ids and all(isinstance(t, int) for t in input_ids)
+        assert asyncio.get_running_loop() is self.loop
+        order = self.in_flight
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        for _ in range(order + 1):  # request i answers after the ones before it
+            await asyncio.sleep(0)
+        self.in_flight -= 1
+        return self._answer(input_ids, sampling_params, return_hidden_states, return_logprob, logprob_start_len,
+                            top_logprobs_num)
 
     def shutdown(self):
         self.shut = True
+        self.loop.close()
 
 
 @pytest.fixture
@@ -361,13 +398,19 @@ def test_backend_end_to_end_matches_hf(tiny_models, stand_in_sglang):
     hf = HFTarget(path, name="tiny")
     assert target.info == hf.info
 
-    batch = [[1, 40, 41, 42, 43, 44], [1, 50, 51]]
+    batch = [[1, 40, 41, 42, 43, 44], [1, 50, 51], [1, 60], [1, 61, 62, 63], [1, 70, 71, 72, 73, 74, 75]]
     teacher = TeacherSpec(kinds=("topk",), topk=4)
     ours, ref = target.capture(batch, teacher), hf.capture(batch, teacher)
     for a, b in zip(ours, ref, strict=True):
+        assert a.aux_hidden.dtype == torch.float32
         torch.testing.assert_close(a.aux_hidden, b.aux_hidden, atol=1e-4, rtol=1e-4)
         assert torch.equal(a.topk_ids, b.topk_ids)
         torch.testing.assert_close(a.topk_logprobs, b.topk_logprobs, atol=1e-4, rtol=1e-4)
+    engine = target.engine
+    assert engine.max_in_flight == len(batch)  # every sequence was sent at once: the engine batches them
+    # each response became tensors as it arrived: no earlier response's hidden-state lists were still alive
+    assert engine.max_lists_alive == 0
+    assert all(r() is None for r in engine.lists)
     with pytest.raises(ValueError, match="last_hidden"):
         target.capture(batch, TeacherSpec(kinds=("topk", "last_hidden")))
     with pytest.raises(ValueError, match="max_length=64"):
