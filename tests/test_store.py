@@ -553,16 +553,17 @@ def _in_memory_shard(samples, hidden_dtype: str) -> bytes:
 
 @pytest.mark.parametrize("hidden_dtype", ["bf16", "fp8"])
 def test_streamed_shard_equals_the_in_memory_layout_whatever_the_arrival_order(tmp_path, hidden_dtype):
-    samples = [make_sample(f"s{i}", n, last_hidden=True, seed=i) for i, n in enumerate([7, 1, 12, 3, 9])]
+    # 300 rows cross the writer's 256-row encoding blocks; a 0-token sample is legal
+    samples = [make_sample(f"s{i}", n, last_hidden=True, seed=i) for i, n in enumerate([7, 1, 300, 3, 9, 0])]
     want = _in_memory_shard(samples, hidden_dtype)
-    for name, order in (("in-order", [0, 1, 2, 3, 4]), ("shuffled", [2, 4, 0, 3, 1])):
+    for name, order in (("in-order", [0, 1, 2, 3, 4, 5]), ("shuffled", [2, 5, 4, 0, 3, 1])):
         with ShardWriter(tmp_path / name, 0, hidden_dtype=hidden_dtype, num_aux=3) as w:
             for i in order:
                 w.add(samples[i], position=10 * i)  # positions order the file; gaps are fine
             info = w.finish({"x": 1})
         data = (tmp_path / name / info.path).read_bytes()
         assert data == want, name
-        assert info.sha256 == hashlib.sha256(data).hexdigest() and info.num_tokens == 32
+        assert info.sha256 == hashlib.sha256(data).hexdigest() and info.num_tokens == 320
         assert read_shard_info(tmp_path / name, 0) == info
 
 

@@ -26,10 +26,12 @@ from core.dataset.format import (
     COUNTS_NAME,
     FORMAT_VERSION,
     MANIFEST_NAME,
+    ROW_BLOCK,
     DatasetError,
     SampleFeatures,
     ShardHeader,
     ShardInfo,
+    all_finite,
     check_hidden_dtype,
     clamp_logprobs,
     feature_layout,
@@ -130,10 +132,16 @@ class ShardWriter:
             self._check_uniform(sample)
             if pos in self._entries:
                 raise ValueError(f"sample {sample.sample_id!r}: position {pos} is taken")
-            tensors = self._encode(sample)
             n = int(sample.input_ids.shape[0])
-            for key, t in tensors.items():
-                self._spill(key, t)
+            loss_tokens = 0
+            # Block by block: the encoders' temporaries (fp8 makes three fp32 copies) stay small whatever
+            # the sample's length, and scales are per token, so the bytes equal encoding it whole.
+            for a in range(0, max(n, 1), ROW_BLOCK):
+                tensors = self._encode(sample, a, a + ROW_BLOCK)
+                loss_tokens += int(tensors["loss_mask"].sum())
+                for key, t in tensors.items():
+                    self._spill(key, t)
+                del tensors
         except BaseException:
             self.abort()
             raise
@@ -143,7 +151,7 @@ class ShardWriter:
             "source": sample.source,
             "category": sample.category,
             "num_tokens": n,
-            "num_loss_tokens": int(tensors["loss_mask"].sum()),
+            "num_loss_tokens": loss_tokens,
             "truncated": bool(sample.truncated),
         }
         self._entries[pos] = (self._rows, n, meta)
@@ -173,24 +181,24 @@ class ShardWriter:
                 f"sample {s.sample_id!r}: last_hidden width {layout[2]} != {self._layout[2]} of sample {first!r}"
             )
 
-    def _encode(self, s: SampleFeatures) -> dict[str, torch.Tensor]:
-        """The sample's rows of every per-token key, in the storage dtypes."""
+    def _encode(self, s: SampleFeatures, a: int, b: int) -> dict[str, torch.Tensor]:
+        """Rows [a, b) of the sample's every per-token key, in the storage dtypes."""
         out: dict[str, torch.Tensor] = {
-            "input_ids": s.input_ids.to(torch.int32),
-            "loss_mask": s.loss_mask.to(torch.bool).to(torch.uint8),
+            "input_ids": s.input_ids[a:b].to(torch.int32),
+            "loss_mask": s.loss_mask[a:b].to(torch.bool).to(torch.uint8),
         }
-        # Scales are per token, so encoding sample by sample equals encoding the concatenation.
-        put_hidden(out, "aux", [encode_hidden(s.aux_hidden, self.hidden_dtype, self.num_aux)])
+        # Scales are per token, so encoding block by block equals encoding the concatenation.
+        put_hidden(out, "aux", [encode_hidden(s.aux_hidden[a:b], self.hidden_dtype, self.num_aux)])
         if s.topk_ids is not None and s.topk_logprobs is not None:
-            out["topk_ids"] = s.topk_ids.to(torch.int32)
-            out["topk_logprobs"] = clamp_logprobs(s.topk_logprobs)
+            out["topk_ids"] = s.topk_ids[a:b].to(torch.int32)
+            out["topk_logprobs"] = clamp_logprobs(s.topk_logprobs[a:b])
         if s.last_hidden is not None:
-            put_hidden(out, "last", [encode_hidden(s.last_hidden, self.hidden_dtype, 1)])
+            put_hidden(out, "last", [encode_hidden(s.last_hidden[a:b], self.hidden_dtype, 1)])
         # Inputs were checked finite; fp8 is clamped to +-448, but bf16 rounding can still overflow to inf
         # for |x| near the float32 maximum.
         for key in ("aux_hidden", "last_hidden"):
             t = out.get(key)
-            if t is not None and t.dtype == torch.bfloat16 and not bool(torch.isfinite(t).all()):
+            if t is not None and t.dtype == torch.bfloat16 and not all_finite(t):
                 raise ValueError(f"sample {s.sample_id!r}: {key} overflows bfloat16 (|value| near the float32 maximum)")
         return out
 
