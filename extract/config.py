@@ -48,7 +48,7 @@ class ExtractConfig:
     max_length: int = _opt(2048, "Truncate tokenized conversations to this many tokens (counted in the summary).")
     samples_per_shard: int = _opt(256, "Most input records (conversations) per shard. A shard is the unit of work, "
                                        "resume and regeneration (its prompts are regenerated together).")
-    shard_bytes: ByteSize = _opt(ByteSize(4 << 30), "Most feature bytes per shard (units: 4GiB, 512MiB, 2G). "
+    shard_bytes: ByteSize = _opt(ByteSize(4 << 30), "Most feature bytes per shard, 4GiB by default (units: GiB, MiB, G, M). "
                                                     "Records are assigned to shards before any capture: by their "
                                                     "exact size, or, when regenerating, by the largest they can get "
                                                     "(max_length tokens per user turn). Memory does not grow with it.")
