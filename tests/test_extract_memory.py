@@ -1,10 +1,10 @@
 """Peak RSS of a Kimi-shaped extraction: within the model + 2x one batch's features, whatever the shard size.
 
 The measurement is benchmarks/extract_memory.py's (the real `python -m extract` in child processes,
-peak RSS from ru_maxrss), at a smaller scale: 8 conversations of ~920 tokens, 2,048-token batches
-(two samples each), shards of 2 samples and of all 8. The whole-shard writer this replaced held every
-sample's fp32 features (611 MiB here) and failed it: 1,124 and 2,085 MiB against a 997 MiB budget, where
-this code peaks at 828 and 869 MiB (`benchmarks/extract_memory.py --samples 8 --words 240
+peak RSS from ru_maxrss), at a smaller scale: 8 conversations of ~950 tokens, 2,048-token batches
+(two samples each), fp8 storage, shards of 2 samples and of all 8. The whole-shard writer this replaced
+held every sample's fp32 features (611 MiB here) and failed it: 1,114 and 1,514 MiB against a 997 MiB
+budget, where this code peaks at 829 and 868 MiB (`benchmarks/extract_memory.py --samples 8 --words 240
 --batch-tokens 2048 --max-length 2048 --shard-sizes 2,8`, with and without `--code` of main).
 """
 
