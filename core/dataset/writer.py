@@ -79,7 +79,7 @@ def _validate_sample(s: SampleFeatures, num_aux: int) -> None:
 
 
 class ShardWriter:
-    """Writes one shard as its samples arrive, so memory never holds more than the sample at hand.
+    """Writes one shard as its samples arrive, keeping none of their rows in memory.
 
     ``add`` validates a sample, encodes it to the storage dtype at once and appends its rows to
     per-key spill files next to the shard (``.shard-NNNNNN.safetensors.tmp-PID.KEY``); ``finish``
@@ -114,10 +114,6 @@ class ShardWriter:
     def __exit__(self, exc_type: Any, *_: Any) -> None:
         if exc_type is not None:
             self.abort()
-
-    @property
-    def num_samples(self) -> int:
-        return len(self._entries)
 
     def _spill_path(self, key: str) -> Path:
         return temp_name(self.path).with_name(f"{temp_name(self.path).name}.{key}")
