@@ -52,7 +52,7 @@ def compare(off: dict[str, Any], on: dict[str, Any], tol: Tolerances) -> dict[st
         problems.append(f"tau offline {tau_off:.4f} vs online {tau_on:.4f}: {rel:.2%} > {tol.tau_rel:.0%}")
     for k, e in enumerate(rate_err):
         if e > tol.rate_abs:
-            problems.append(f"accept rate draft {k + 1}: offline {off['accept_rate'][k]:.4f} vs online "
+            problems.append(f"P(accept) draft {k + 1}: offline {off['accept_rate'][k]:.4f} vs online "
                             f"{on['accept_rate'][k]:.4f} (|diff| {e:.4f} > {tol.rate_abs})")
     return {
         "tau_online": tau_on, "tau_offline": tau_off, "tau_rel_error": rel,
@@ -69,7 +69,7 @@ def format_comparison(k: int, c: dict[str, Any], same: int, total: int) -> str:
     rows = [("tau (1 + accepted / verify rounds)", f"{c['tau_online']:.3f}", f"{c['tau_offline']:.3f}",
              f"{c['tau_rel_error']:.2%}")]
     for i, (a, b, e) in enumerate(zip(c["rate_online"], c["rate_offline"], c["rate_abs_error"], strict=True)):
-        rows.append((f"accept rate draft {i + 1}", f"{a:.3f}", f"{b:.3f}", f"{e:.3f}"))
+        rows.append((f"P(accept) draft {i + 1}", f"{a:.3f}", f"{b:.3f}", f"{e:.3f}"))
     rows.append(("verify rounds", str(c["online_drafts"]), str(c["offline_rounds"]), ""))
     rows.append(("diagnostic: per-position mean tau", "", f"{c['per_position_tau']:.3f}",
                  f"{c['per_position_rel_error']:.2%}"))

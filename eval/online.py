@@ -245,7 +245,7 @@ def measure(ckpt: str | Path, reader: Any, indices: Sequence[int], settings: Onl
 def table_rows(res: dict[str, Any]) -> list[tuple[str, str]]:
     a, s = res["all"], res["same_tokens"]
     rows = [("tau online (1 + accepted/drafts)", f"{a['tau']:.3f}")]
-    rows += [(f"accept rate draft {k + 1} (per draft)", f"{v:.3f}") for k, v in enumerate(a["accept_rate"])]
+    rows += [(f"P(accept) draft {k + 1} (per round)", f"{v:.3f}") for k, v in enumerate(a["accept_rate"])]
     rows.append(("drafts / accepted tokens", f"{a['num_drafts']} / {a['num_accepted_tokens']}"))
     rows.append(("engine output = dataset answer", f"{res['same_as_data']} of {res['requests']} requests"))
     rows.append(("tau online on those requests", f"{s['tau']:.3f}"))

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from core.config import ConfigError, hyphenate_flags, read_yaml_mapping
+from core.config import ByteSize, ConfigError, hyphenate_flags, read_yaml_mapping
 
 
 def _opt(default: Any, help: str, **kw: Any) -> Any:
@@ -46,7 +46,12 @@ class ExtractConfig:
     hidden_dtype: str = _opt("bf16", "Storage dtype of hidden states: bf16, or fp8 (e4m3, per-token scales).",
                              choices=("bf16", "fp8"))
     max_length: int = _opt(2048, "Truncate tokenized conversations to this many tokens (counted in the summary).")
-    samples_per_shard: int = _opt(256, "Samples per shard; a shard is the unit of resume.")
+    samples_per_shard: int = _opt(256, "Most input records (conversations) per shard. A shard is the unit of work, "
+                                       "resume and regeneration (its prompts are regenerated together).")
+    shard_bytes: ByteSize = _opt(ByteSize(4 << 30), "Most feature bytes per shard, 4GiB by default (units: GiB, MiB, G, M). "
+                                                    "Records are assigned to shards before any capture: by their "
+                                                    "exact size, or, when regenerating, by the largest they can get "
+                                                    "(max_length tokens per user turn). Memory does not grow with it.")
     batch_tokens: int = _opt(8192, "Upper bound on padded tokens in one forward batch.")
     max_samples: int = _opt(0, "Use only the first N valid input records (0: all).")
     strict: bool = _opt(False, "Stop at the first bad input record (exit code 2, nothing written) instead of skipping it.")
@@ -101,7 +106,7 @@ class ExtractConfig:
         bad = [t for t in self.teacher if t not in ("topk", "last_hidden")]
         if bad or not self.teacher:
             raise ConfigError(f"teacher: expected topk and/or last_hidden, got {self.teacher}")
-        for name in ("topk", "max_length", "samples_per_shard", "batch_tokens", "max_new_tokens",
+        for name in ("topk", "max_length", "samples_per_shard", "shard_bytes", "batch_tokens", "max_new_tokens",
                      "gen_batch_size", "chunk_tokens", "tp_size", "ep_size", "regen_concurrency"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
