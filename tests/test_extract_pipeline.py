@@ -171,7 +171,7 @@ def test_fp8_and_regeneration(tiny_target, tmp_path):
                                   hidden_dtype="fp8", samples_per_shard=2))
     manifest = summary.manifest
     assert manifest is not None and manifest["hidden_dtype"] == "fp8"
-    assert manifest["generation"] == {"temperature": 0.0, "top_p": 1.0, "max_new_tokens": 6, "seed": 0}
+    assert manifest["generation"] == {"temperature": 0.0, "top_p": 1.0, "max_new_tokens": 6, "seed": 0, "backend": "hf"}
     regenerated = read_records([out / "regenerated.jsonl"]).records
     assert [r.id for r in regenerated] == [f"p{i}" for i in range(5)]
     assert all([m.role for m in r.messages] == ["user", "assistant", "user", "assistant"] for r in regenerated)

