@@ -280,13 +280,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     drafter.load_target_embedding(target_path, embed_keys)
     drafter.embed_tokens.weight.requires_grad_(False)
     warm_info = None
-    if init_state is not None and ckpt is not None:
-        # Resume restores the run's own checkpoint exactly (training_state/ below): the warm start is not redone,
-        # so its vocabulary is the one the run was trained with, whatever the counts or the init folder say now.
+    if ckpt is not None:
+        # Resume restores the run's own checkpoint exactly (training_state/ below): neither the warm start nor the
+        # vocabulary is redone, so the vocabulary is the one the run was trained with, whatever the counts say now.
         drafter.load_serving_state_dict(load_serving_weights(ckpt / WEIGHTS_NAME))
         warm_info = (read_record(ckpt) or {}).get("warm_start")
-        log.info("resuming %s: --init-from %s is not applied again (the checkpoint holds the warm-started drafter)",
-                 ckpt, cfg.init_from)
+        if cfg.init_from:
+            log.info("resuming %s: --init-from %s is not applied again (the checkpoint holds the warm-started "
+                     "drafter)", ckpt, cfg.init_from)
     elif init_state is not None:
         warm_info = warm_start(drafter, init_state, reader.token_counts(), cfg.warm_start_vocab, cfg.init_from)
     else:
