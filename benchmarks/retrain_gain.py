@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT))
 from retrain_gain_report import diagnosis, goals, markdown, print_summary, write_plot  # noqa: E402
 
 from core.atomic import atomic_write_text  # noqa: E402
-from core.drafter.folder import WEIGHTS_NAME, CheckpointError, resolve_drafter_folder  # noqa: E402
+from core.drafter.folder import WEIGHTS_NAME, CheckpointError, read_record, resolve_drafter_folder  # noqa: E402
 
 log = logging.getLogger("bench.retrain_gain")
 
@@ -579,7 +579,8 @@ def run_benchmark(cfg: BenchConfig, work: Path, *, scale: float, threads: int) -
         dm = manifest(d.data)
         drafter_rows[d.name] = {
             "description": d.description, "data": d.data.name, "teacher": d.teacher, "hidden_dtype": d.hidden_dtype,
-            "init_from": d.init_from or None, "steps": d.steps,
+            "init_from": d.init_from or None, "warm_start": (read_record(ckpt) or {}).get("warm_start"),
+            "steps": d.steps,
             "lr": d.lr if d.lr is not None else _train_option(opts, "lr", None),
             "ttt_steps": _train_option(opts, "ttt_steps", 7),
             "draft_vocab_size": _train_option(opts, "draft_vocab_size", None),

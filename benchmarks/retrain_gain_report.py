@@ -60,8 +60,11 @@ def diagnosis(report: dict[str, Any]) -> list[str]:
                  f"{d['B']['loss_tokens_seen_metrics'] / max(d['A']['loss_tokens_seen_metrics'], 1):.2f}x A's loss tokens")
     if not g["retrain_gain"]["met"]:
         ratio = g["retrain_gain"]["ratio_B_over_A"]
+        warm = d["B"].get("warm_start") or {}
+        vocab = (f"B's draft vocab rebuilt from its data, {warm['kept_rows']} of {warm['draft_vocab_size']} lm_head "
+                 "rows kept from A" if warm.get("vocab") == "rebuild" else "B keeps A's draft vocab")
         lines.append(f"retrain goal missed (B/A = {ratio:.2f} < {GOAL_GAIN}): compare B with C (warm start vs "
-                     f"scratch: B keeps A's draft vocab, coverage {d['B']['vocab_coverage_eval']:.1%} vs C "
+                     f"scratch: {vocab}, coverage {d['B']['vocab_coverage_eval']:.1%} vs C "
                      f"{d['C']['vocab_coverage_eval']:.1%}) and A's first-position acceptance "
                      f"({chain['A']['accept_rate'][0]:.2f})")
     vals = {n: (d[n].get("last_val") or {}).get("acc") for n in ("A", "B", "C")}

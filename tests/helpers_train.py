@@ -9,6 +9,8 @@ within a few dozen steps, so "loss goes down" is a real signal.
 from __future__ import annotations
 
 import json
+import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -32,14 +34,14 @@ def make_target(path: Path) -> tuple[Path, int]:
     return path, vocab
 
 
-def _sample(i: int, length: int, vocab: int, code: torch.Tensor) -> SampleFeatures:
+def _sample(i: int, length: int, vocab: int, code: torch.Tensor, cycle: Sequence[int]) -> SampleFeatures:
     g = torch.Generator().manual_seed(1000 + i)
-    n = len(CYCLE_IDS)
+    n = len(cycle)
     start = int(torch.randint(0, n, (1,), generator=g))
-    pos = [(start + 7 * t) % n for t in range(length)]  # next = (cur + 7) mod n: a single n-cycle
-    ids = torch.tensor([CYCLE_IDS[p] for p in pos], dtype=torch.int64)
-    nxt = torch.tensor([CYCLE_IDS[(p + 7) % n] for p in pos], dtype=torch.int64)
-    others = torch.stack([torch.tensor(CYCLE_IDS[(p + 1 + j) % n]) for p in pos for j in range(TOPK - 1)])
+    pos = [(start + 7 * t) % n for t in range(length)]  # next = (cur + 7) mod n: a single n-cycle when 7 ∤ n
+    ids = torch.tensor([cycle[p] for p in pos], dtype=torch.int64)
+    nxt = torch.tensor([cycle[(p + 7) % n] for p in pos], dtype=torch.int64)
+    others = torch.stack([torch.tensor(cycle[(p + 1 + j) % n]) for p in pos for j in range(TOPK - 1)])
     topk_ids = torch.cat([nxt[:, None], others.view(length, TOPK - 1)], dim=1)
     probs = torch.tensor([0.85] + [0.04] * (TOPK - 1))
     topk_lp = probs.log().expand(length, TOPK).clone()
@@ -59,12 +61,12 @@ def _sample(i: int, length: int, vocab: int, code: torch.Tensor) -> SampleFeatur
 
 
 def make_dataset(root: Path, target: Path, vocab: int, *, num_samples: int = 64, per_shard: int = 16,
-                 min_len: int = 12, max_len: int = 40) -> Path:
-    """Finalized dataset folder whose manifest points at ``target``."""
+                 min_len: int = 12, max_len: int = 40, cycle_ids: Sequence[int] = CYCLE_IDS) -> Path:
+    """Finalized dataset folder whose manifest points at ``target``; its tokens are ``cycle_ids``."""
     g = torch.Generator().manual_seed(7)
     code = torch.randn(vocab, 3 * HIDDEN, generator=g)
     lengths = torch.randint(min_len, max_len + 1, (num_samples,), generator=g).tolist()
-    samples = [_sample(i, n, vocab, code) for i, n in enumerate(lengths)]
+    samples = [_sample(i, n, vocab, code, cycle_ids) for i, n in enumerate(lengths)]
     shards = [samples[s : s + per_shard] for s in range(0, num_samples, per_shard)]
     for index, chunk in enumerate(shards):
         write_shard(root, index, chunk, hidden_dtype="bf16", num_aux=3)
@@ -76,6 +78,20 @@ def make_dataset(root: Path, target: Path, vocab: int, *, num_samples: int = 64,
     )
     finalize_dataset(root, num_shards=len(shards), header=header, vocab_size=vocab)
     return root
+
+
+def foreign_folder(src: Path, dst: Path, **config_changes) -> Path:
+    """An SGLang/SpecForge-style drafter folder (config.json + model.safetensors, no redraft.json)."""
+    dst.mkdir(parents=True)
+    shutil.copy(src / "model.safetensors", dst / "model.safetensors")
+    config = json.loads((src / "config.json").read_text())
+    for key, value in config_changes.items():
+        if key == "layer_ids":
+            config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = value
+        else:
+            config[key] = value
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
 
 
 def base_args(data: Path, out: Path, **extra: object) -> list[str]:

@@ -64,9 +64,12 @@ def test_retrain_gain_smoke(tmp_path: Path) -> None:
     assert drafters["B"]["steps"] == drafters["C"]["steps"] == drafters["S-fp8-last_hidden"]["steps"]
     assert drafters["A"]["data"] == "train-human" and drafters["C"]["data"] == "train-regen-bf16"
     assert drafters["S-fp8-last_hidden"]["data"] == "train-regen-fp8"
-    # warm start: B starts from A's checkpoint and so keeps A's draft vocab (same eval coverage)
+    # warm start: B starts from A's checkpoint with the draft vocab rebuilt from its own data, which is C's
     assert drafters["B"]["init_from"] == drafters["A"]["checkpoint"]
-    assert drafters["B"]["vocab_coverage_eval"] == drafters["A"]["vocab_coverage_eval"]
+    assert drafters["B"]["vocab_coverage_eval"] == drafters["C"]["vocab_coverage_eval"]
+    warm = drafters["B"]["warm_start"]
+    assert warm["vocab"] == "rebuild" and warm["kept_rows"] + warm["new_rows"] == warm["draft_vocab_size"]
+    assert drafters["A"]["warm_start"] is None and drafters["C"]["warm_start"] is None
     assert all(0.0 <= d["vocab_coverage_eval"] <= 1.0 for d in drafters.values())
 
     # same prompts, the target's replies vs the humans'

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 from helpers_drafter import SERVING_KEYS
-from helpers_train import AUX_IDS, base_args, make_dataset, make_target, read_metrics, run_main
+from helpers_train import (
+    AUX_IDS,
+    base_args,
+    foreign_folder,
+    make_dataset,
+    make_target,
+    read_metrics,
+    run_main,
+)
 from safetensors.torch import load_file
 
 from core.drafter.folder import CheckpointError, load_drafter_checkpoint
@@ -182,35 +189,21 @@ def test_resume_auto_without_checkpoint_starts_fresh(tiny, tmp_path):
     assert summary["step"] == 2
 
 
-def _foreign_folder(src: Path, dst: Path, **config_changes) -> Path:
-    """An SGLang/SpecForge-style drafter folder (config.json + model.safetensors, no redraft.json)."""
-    dst.mkdir(parents=True)
-    shutil.copy(src / "model.safetensors", dst / "model.safetensors")
-    config = json.loads((src / "config.json").read_text())
-    for key, value in config_changes.items():
-        if key == "layer_ids":
-            config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = value
-        else:
-            config[key] = value
-    (dst / "config.json").write_text(json.dumps(config))
-    return dst
-
-
 def test_init_from_loads_weights_and_refuses_mismatches(tiny, tmp_path):
     data, _, _ = tiny
     first = tmp_path / "first"
     run_main(base_args(data, first, max_steps=3))
-    init = _foreign_folder(first / "step-0000003", tmp_path / "sglang_drafter")
-    # lr 0: the saved weights are exactly the initial ones, vocab mapping included
+    init = foreign_folder(first / "step-0000003", tmp_path / "sglang_drafter")
+    # lr 0: the saved weights are exactly the initial ones; on the same data the rebuilt vocabulary is the old one
     run_main(base_args(data, tmp_path / "second", max_steps=1, lr=0.0, init_from=init))
     _same_weights(init, tmp_path / "second" / "step-0000001")
 
-    bad_ids = _foreign_folder(first / "step-0000003", tmp_path / "bad_ids", layer_ids=[1, 3, 4])
+    bad_ids = foreign_folder(first / "step-0000003", tmp_path / "bad_ids", layer_ids=[1, 3, 4])
     with pytest.raises(CheckpointError, match=r"aux_layer_ids: .* has \[1, 3, 4\], the data/config needs \[1, 2, 4\]"):
         run_main(base_args(data, tmp_path / "x", init_from=bad_ids))
     with pytest.raises(CheckpointError, match="draft_vocab_size: .* has 64, the data/config needs 32"):
-        run_main(base_args(data, tmp_path / "x", init_from=init, draft_vocab_size=32))
-    bad_h = _foreign_folder(first / "step-0000003", tmp_path / "bad_h", hidden_size=32, target_hidden_size=32)
+        run_main(base_args(data, tmp_path / "x", init_from=init, draft_vocab_size=32, warm_start_vocab="keep"))
+    bad_h = foreign_folder(first / "step-0000003", tmp_path / "bad_h", hidden_size=32, target_hidden_size=32)
     with pytest.raises(CheckpointError, match="hidden_size: .* has 32, the data/config needs 64"):
         run_main(base_args(data, tmp_path / "x", init_from=bad_h))
     assert not (tmp_path / "x").exists() or not list((tmp_path / "x").glob("step-*"))

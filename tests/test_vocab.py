@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from core.drafter.modeling import Eagle3Drafter
-from core.drafter.vocab import build_vocab_mapping, check_vocab_mapping, draft_token_ids
+from core.drafter.vocab import build_vocab_mapping, check_vocab_mapping, draft_token_ids, shared_draft_rows
 
 torch.set_num_threads(1)
 
@@ -90,3 +90,11 @@ def test_check_vocab_mapping_names_the_problem():
         check_vocab_mapping(d2t, t2d, 7)
     with pytest.raises(ValueError, match="bool"):
         check_vocab_mapping(d2t, t2d.long(), 6)
+
+
+def test_shared_draft_rows_pairs_each_shared_token():
+    old_ids, new_ids = torch.tensor([1, 4, 5, 9]), torch.tensor([0, 4, 9, 11, 12])
+    old_d2t, new_d2t = old_ids - torch.arange(4), new_ids - torch.arange(5)
+    new_rows, old_rows = shared_draft_rows(old_d2t, new_d2t)
+    assert new_ids[new_rows].tolist() == old_ids[old_rows].tolist()
+    assert sorted(set(old_ids.tolist()) & set(new_ids.tolist())) == new_ids[new_rows].tolist()

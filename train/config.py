@@ -80,7 +80,17 @@ class TrainConfig:
 
     # --- drafter
     draft_vocab_size: int = _f(32000, "draft vocabulary size (most frequent loss-masked target tokens)")
-    init_from: str = _f("", "start from this drafter folder (SGLang/SpecForge layout or a redraft checkpoint)")
+    init_from: str = _f(
+        "", "warm-start from this drafter folder (SGLang/SpecForge layout or a redraft checkpoint); a resumed run "
+        "restores its own checkpoint instead"
+    )
+    warm_start_vocab: str = _f(
+        "rebuild",
+        "with init_from: rebuild (the draft vocabulary from this data as a scratch run does, with draft_vocab_size "
+        "tokens; old lm_head rows move to the tokens both vocabularies share, new tokens get the scratch init) or "
+        "keep (the old drafter's vocabulary and lm_head as they are; needs the same draft_vocab_size)",
+        choices=("rebuild", "keep"),
+    )
     hidden_size: int | None = _f(None, "drafter hidden size (default: the target's)")
     num_attention_heads: int | None = _f(None, "drafter attention heads (default: the target's)")
     num_key_value_heads: int | None = _f(None, "drafter KV heads (default: the target's)")

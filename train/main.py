@@ -197,8 +197,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from core.dataset.batch import collate
     from core.dataset.reader import DatasetReader
     from core.drafter.config import DrafterConfig
-    from core.drafter.folder import load_drafter_checkpoint
+    from core.drafter.folder import WEIGHTS_NAME, load_drafter_checkpoint, read_record
     from core.drafter.modeling import Eagle3Drafter
+    from core.drafter.serving_format import load_serving_weights
     from core.drafter.vocab import build_vocab_mapping
     from core.target_weights import read_target_tensor, weight_key_candidates
     from train.checkpoint import (
@@ -210,6 +211,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from train.data import DistributedBucketSampler, FeatureDataset, SamplerState, split_by_id
     from train.tracking import StepStats, Tracker
     from train.ttt import TTTModel
+    from train.warm_start import warm_start
 
     accelerator = make_accelerator(cfg)
     rank, world = accelerator.process_index, accelerator.num_processes
@@ -252,20 +254,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     wanted = DrafterConfig.from_target(
         info, cfg.draft_vocab_size, torch_dtype="bfloat16" if cfg.dtype == "bf16" else "float32", **overrides
     )
+    ckpt = find_resume_checkpoint(out, cfg.resume)
     init_state = None
     if cfg.init_from:
         init_cfg, init_state = load_drafter_checkpoint(
             cfg.init_from, target_architecture=wanted.target_architecture, target_num_layers=wanted.target_num_layers
         )
-        # shapes tied to the data must agree; architecture fields come from the init drafter unless overridden
-        fields = ("hidden_size", "target_hidden_size", "vocab_size", "draft_vocab_size", "aux_layer_ids",
-                  *[k for k in overrides if k not in ("max_position_embeddings", "rope_theta")])
+        # shapes tied to the data must agree; architecture fields come from the init drafter unless overridden.
+        # A rebuilt draft vocabulary takes this run's draft_vocab_size, as a scratch run does.
+        rebuild = cfg.warm_start_vocab == "rebuild"
+        fields = ("hidden_size", "target_hidden_size", "vocab_size", *(() if rebuild else ("draft_vocab_size",)),
+                  "aux_layer_ids", *[k for k in overrides if k not in ("max_position_embeddings", "rope_theta")])
         check_init_compatible(init_cfg, wanted, cfg.init_from, fields)
         check_init_fingerprint(Path(cfg.init_from), manifest, cfg.data)
         drafter_cfg = DrafterConfig.from_dict({
             **init_cfg.to_dict(), "target_architecture": wanted.target_architecture,
             "target_num_layers": wanted.target_num_layers, "torch_dtype": wanted.torch_dtype,
             **{k: v for k, v in overrides.items() if k in ("max_position_embeddings", "rope_theta")},
+            **({"draft_vocab_size": wanted.draft_vocab_size} if rebuild else {}),
         })
     else:
         drafter_cfg = wanted
@@ -273,9 +279,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     embed_keys, head_keys = weight_key_candidates(json.loads((target_path / "config.json").read_text()))
     drafter.load_target_embedding(target_path, embed_keys)
     drafter.embed_tokens.weight.requires_grad_(False)
-    if init_state is not None:
-        drafter.load_serving_state_dict(init_state)
-        log.info("initialised from %s (weights and vocab mapping)", cfg.init_from)
+    warm_info = None
+    if ckpt is not None:
+        # Resume restores the run's own checkpoint exactly (training_state/ below): neither the warm start nor the
+        # vocabulary is redone, so the vocabulary is the one the run was trained with, whatever the counts say now.
+        drafter.load_serving_state_dict(load_serving_weights(ckpt / WEIGHTS_NAME))
+        warm_info = (read_record(ckpt) or {}).get("warm_start")
+        if cfg.init_from:
+            log.info("resuming %s: --init-from %s is not applied again (the checkpoint holds the warm-started "
+                     "drafter)", ckpt, cfg.init_from)
+    elif init_state is not None:
+        warm_info = warm_start(drafter, init_state, reader.token_counts(), cfg.warm_start_vocab, cfg.init_from)
     else:
         drafter.set_vocab_mapping(*build_vocab_mapping(reader.token_counts(), drafter_cfg.draft_vocab_size))
     lm_head = None
@@ -304,7 +318,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # ---------------------------------------------------------------- resume
     step, state = 0, SamplerState()
     tokens_seen, last_saved = 0, -1
-    ckpt = find_resume_checkpoint(out, cfg.resume)
     if ckpt is not None:
         ts = read_trainer_state(ckpt)
         if int(ts["world_size"]) != world:
@@ -340,6 +353,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "val_ids": [reader.sample_ids[i] for i in val_idx],
         "train_config": cfg.to_dict(),
     }
+    if warm_info is not None:
+        record["warm_start"] = warm_info
     tracker = Tracker(accelerator, out, config=cfg.to_dict(), total_steps=total_steps, start_step=step,
                       report_to=cfg.report_to, project=cfg.wandb_project, run_name=cfg.run_name or out.name)
     ids_log = None

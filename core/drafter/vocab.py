@@ -75,3 +75,14 @@ def draft_token_ids(d2t: torch.Tensor) -> torch.Tensor:
     """Target ids of the draft vocab, in draft order: arange(N) + d2t."""
     return torch.arange(d2t.numel(), dtype=torch.int64, device=d2t.device) + d2t.to(torch.int64)
 
+
+def shared_draft_rows(old_d2t: torch.Tensor, new_d2t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(new draft ids, old draft ids) of the target tokens both draft vocabularies hold, in new draft order.
+
+    A warm start that rebuilds the vocabulary moves the old lm_head row of each such token to its
+    new draft id (:mod:`train.warm_start`); both maps are ascending, so this is one sorted lookup.
+    """
+    old_ids, new_ids = draft_token_ids(old_d2t.cpu()), draft_token_ids(new_d2t.cpu())
+    pos = torch.searchsorted(old_ids, new_ids).clamp(max=old_ids.numel() - 1)
+    hit = old_ids[pos] == new_ids
+    return torch.nonzero(hit).flatten(), pos[hit]
