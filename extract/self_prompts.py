@@ -224,6 +224,14 @@ def _sample(regenerator: Regenerator, tokenizer: Any, opts: SelfPromptOptions, s
     return rows
 
 
+def _left_after(sampled: int, counts: Any) -> dict[str, int]:
+    left, out = sampled, {}
+    for reason in DROP_REASONS:
+        left -= int(counts[reason])
+        out[reason] = left
+    return out
+
+
 def synthesise(cfg: Any, out: Path, tokenizer: Any, regenerator: Callable[[], Regenerator]) -> SelfPromptsResult:
     """Write (or reuse) ``out/self_prompts.jsonl``; ``regenerator`` is called only when sampling is needed."""
     opts = SelfPromptOptions.from_config(cfg)
@@ -280,6 +288,8 @@ def synthesise(cfg: Any, out: Path, tokenizer: Any, regenerator: Callable[[], Re
         "kept": len(kept),
         "survived": len(survivors),  # survivors past the wanted number are drawn in the last chunk, unused
         "dropped": {r: int(filt.counts[r]) for r in DROP_REASONS if filt.counts[r]},
+        # How many are left after each check, in the order they run (a prompt counts at its first failure).
+        "left_after": _left_after(len(samples), filt.counts),
     }
     if opts.categories:
         counts["by_category"] = {c: sum(r["category"] == c for r in kept) for c in opts.categories}

@@ -191,6 +191,7 @@ def test_smollm2_writes_answers_and_captures_its_own_prompts(tmp_path, monkeypat
     counts = sp["counts"]
     assert counts["kept"] == 8
     assert counts["sampled"] == counts["survived"] + sum(counts["dropped"].values())
+    assert counts["left_after"]["near_duplicate"] == counts["survived"] >= 8
     assert sp["recipe"]["target"] == SMOLLM2 and sp["recipe"]["temperature"] == 1.0
     assert "SmolLM" in sp["recipe"]["prefixes"][""]["text"]  # the template's default system prompt
     assert sp["recipe"]["decontaminate"]["prompts"] == 160
