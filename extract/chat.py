@@ -85,6 +85,34 @@ def generation_prompt(tokenizer: Any, messages: Sequence[Message]) -> str:
     return with_prompt[_common_prefix_len(with_prompt, without):]
 
 
+USER_SENTINEL = "REDRAFTUSERTURNSENTINEL"
+
+
+def user_turn_prefix(tokenizer: Any, system: str | None = None) -> list[int]:
+    """Token ids of a conversation up to where the first user message's content starts.
+
+    Rendered with a sentinel user message and cut before it, so whatever the template puts in front
+    (BOS, a default system prompt such as SmolLM2's, the user header) is there exactly as the template
+    writes it; ``system``: a system message of our own instead of the template's default. A target
+    continuing these ids writes a user request (the Magpie recipe, Xu et al. 2024).
+    """
+    msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": USER_SENTINEL}]
+    text = _render(tokenizer, msgs, add_generation_prompt=False)
+    cut = text.find(USER_SENTINEL)
+    if cut < 0:
+        raise ValueError("the chat template does not render the user message's content verbatim; "
+                         "cannot find where a user turn starts")
+    ids = _encode(tokenizer, text[:cut])
+    if not ids:
+        raise ValueError("the chat template renders nothing before the user message's content")
+    probe = _encode(tokenizer, _render(tokenizer, msgs[:-1] + [{"role": "user", "content": "Hello there"}],
+                                       add_generation_prompt=False))
+    if probe[: len(ids)] != ids:
+        logger.warning("the user-turn prefix tokenizes differently inside a rendered conversation; "
+                       "prompts are sampled from the prefix's own ids")
+    return ids
+
+
 def stop_token_ids(tokenizer: Any) -> list[int]:
     """Ids that end an assistant turn: eos first, then known end-of-turn tokens present in the vocab."""
     vocab = tokenizer.get_vocab()

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from core.config import ByteSize, ConfigError, hyphenate_flags, read_yaml_mapping
+from core.embedded import SELF_DATA
 
 
 def _opt(default: Any, help: str, **kw: Any) -> Any:
@@ -30,7 +31,8 @@ class ExtractConfig:
     target: str = _opt("", "Target model: a built-in name (smollm2-135m-instruct) or a local Hugging Face folder.")
     data: list[str] = _opt(
         [],
-        "Input data: JSONL/JSON/Parquet files, datasets folders, or built-in names (mtbench, chitchat). "
+        "Input data: JSONL/JSON/Parquet files, datasets folders, or built-in names (mtbench, chitchat, and self: "
+        "user prompts the target writes itself, see --self-*, needs --regenerate). "
         "Repeat the flag or separate with commas.",
     )
     out: str = _opt("", "Output dataset folder (shards, manifest.json, token counts).")
@@ -82,7 +84,30 @@ class ExtractConfig:
     regen_gpu_memory_utilization: float = _opt(
         0.0, "Regeneration with --regen-backend vllm on a GPU: the share of the device vLLM may take (0: vLLM's "
              "default 0.9, which does not fit next to an hf capture backend on the same GPU).")
-    seed: int = _opt(0, "Seed for sampled regeneration (each shard derives its own, so reruns reproduce).")
+    seed: int = _opt(0, "Seed for sampled regeneration (each shard derives its own, so reruns reproduce) and "
+                        "for the prompts of --data self (each prompt derives its own).")
+    self_prompts: int = _opt(1000, "--data self: how many user prompts the target writes, counted after the "
+                                   "filters (dedup, degenerate text, closeness to the evaluation prompts).")
+    self_max_samples: int = _opt(0, "--data self: stop sampling after this many prompts even when fewer than "
+                                    "--self-prompts survived (0: 4 x --self-prompts).")
+    self_categories: list[str] = _opt(
+        [], "--data self: steer the prompts towards these MT-bench categories, cycled, through a system message "
+            "of ours (writing, roleplay, reasoning, math, coding, extraction, stem, humanities, or mtbench for "
+            "all eight). Empty: no hint, the template's own default system prompt.")
+    self_temperature: float = _opt(1.0, "--data self: sampling temperature of the prompts (must be > 0: every "
+                                        "prompt starts from the same ids).")
+    self_top_p: float = _opt(0.95, "--data self: nucleus sampling threshold of the prompts.")
+    self_max_new_tokens: int = _opt(256, "--data self: most tokens of one prompt; a prompt without an end-of-turn "
+                                         "by then is dropped as cut.")
+    self_language: str = _opt("en", "--data self: keep only English prompts (en: Latin script and English "
+                                     "function words) or any language (any).", choices=("en", "any"))
+    self_near_duplicate: float = _opt(0.7, "--data self: drop a prompt whose word 3-gram Jaccard similarity "
+                                           "to an earlier kept one reaches this.")
+    self_eval_overlap: float = _opt(0.5, "--data self: drop a prompt whose word 3-gram Jaccard similarity to an "
+                                         "evaluation prompt, or share of the smaller 3-gram set (3+ shared), "
+                                         "reaches this.")
+    self_decontaminate: list[str] = _opt(["mtbench"], "--data self: evaluation inputs (built-in names or files) "
+                                                      "whose user turns no kept prompt may be close to.")
     dtype: str = _opt("float32", "Target compute dtype: float32 or bfloat16.", choices=("float32", "bfloat16"))
     device: str = _opt("auto", "Device for the hf backend: auto, cpu or cuda.")
     trust_remote_code: bool = _opt(False, "Allow the target folder's own Python code to run (off unless you trust it).")
@@ -118,6 +143,27 @@ class ExtractConfig:
             raise ConfigError(f"regen_gpu_memory_utilization: must be in [0, 1], got {self.regen_gpu_memory_utilization}")
         if self.regen_kv_cache_gb <= 0:
             raise ConfigError(f"regen_kv_cache_gb: must be > 0, got {self.regen_kv_cache_gb}")
+        self.self_categories = _split_commas(self.self_categories)
+        self.self_decontaminate = _split_commas(self.self_decontaminate)
+        if SELF_DATA in self.data:
+            if not self.regenerate:
+                raise ConfigError(f"data: {SELF_DATA} writes user prompts only; add --regenerate so the target "
+                                  f"answers them")
+            if self.data.count(SELF_DATA) > 1:
+                raise ConfigError(f"data: {SELF_DATA} is named more than once")
+        for name in ("self_prompts", "self_max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.self_max_samples < 0:
+            raise ConfigError(f"self_max_samples: must be >= 0, got {self.self_max_samples}")
+        if self.self_temperature <= 0:
+            raise ConfigError(f"self_temperature: must be > 0 (every prompt starts from the same ids), "
+                              f"got {self.self_temperature}")
+        if not 0.0 < self.self_top_p <= 1.0:
+            raise ConfigError(f"self_top_p: must be in (0, 1], got {self.self_top_p}")
+        for name in ("self_near_duplicate", "self_eval_overlap"):
+            if not 0.0 < getattr(self, name) <= 1.0:
+                raise ConfigError(f"{name}: must be in (0, 1], got {getattr(self, name)}")
         if self.regenerate and self.regen_backend == "server" and not self.regen_url:
             raise ConfigError("regen_url: required with regen_backend server (the server's base URL, "
                               "e.g. http://HOST:30000)")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -38,7 +39,7 @@ from core.dataset.format import (
     shard_relpath,
 )
 from core.dataset.writer import ShardWriter, finalize_dataset, read_shard_info
-from core.embedded import resolve_data, resolve_target
+from core.embedded import SELF_DATA, resolve_data, resolve_target
 from extract.backends.base import GenerationConfig, TargetBackend, TeacherSpec
 from extract.chat import TokenizedSample, chat_template_hash, tokenize_conversation, tokenizer_hash
 from extract.config import ExtractConfig
@@ -52,6 +53,7 @@ from extract.generated import (
 from extract.records import Record, read_records, write_records_jsonl
 from extract.regen_engines import Regenerator, make_regenerator
 from extract.regenerate import regenerate_records
+from extract.self_prompts import SelfPromptsResult, synthesise
 from extract.shard_plan import cut_shards, feature_widths, regenerated_bytes_bound, sample_bytes
 
 log = logging.getLogger(__name__)
@@ -123,7 +125,8 @@ def _file_fingerprint(path: Path) -> dict[str, Any]:
 
 
 def make_plan(
-    cfg: ExtractConfig, inputs: Sequence[Path], num_records: int, skipped: Counter, bytes_per_token: int
+    cfg: ExtractConfig, inputs: Sequence[Path], num_records: int, skipped: Counter, bytes_per_token: int,
+    self_prompts: SelfPromptsResult | None = None,
 ) -> dict[str, Any]:
     """Everything that decides the bytes of the shards; a rerun must agree with it.
 
@@ -154,7 +157,14 @@ def make_plan(
         # Which engine wrote the replies; absent for the default (hf), so folders started before the
         # option existed still resume.
         **({"regen_backend": cfg.regen_backend} if cfg.regenerate and cfg.regen_backend != "hf" else {}),
+        # The prompts the target wrote (their file is among the inputs); absent when unused.
+        **({"self_prompts": {"recipe_sha256": _sha256_json(self_prompts.report["recipe"]),
+                             "counts": self_prompts.report["counts"]}} if self_prompts is not None else {}),
     }
+
+
+def _sha256_json(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
 
 
 _DERIVED = ("shard_starts", "num_shards")  # plan.json keys computed from the others
@@ -237,7 +247,8 @@ def _bytes_per_token(cfg: ExtractConfig, hidden_size: int, num_aux: int) -> int:
     return int(bytes_per_token(hidden_size, num_aux, cfg.hidden_dtype, cfg.teacher, cfg.topk))
 
 
-def make_header(cfg: ExtractConfig, backend: TargetBackend, parse_skipped: Counter) -> dict[str, Any]:
+def make_header(cfg: ExtractConfig, backend: TargetBackend, parse_skipped: Counter,
+                self_prompts: SelfPromptsResult | None = None) -> dict[str, Any]:
     """The manifest fields that describe the target and the run (the store adds the shards)."""
     info = backend.info
     return dataset_header(
@@ -248,6 +259,7 @@ def make_header(cfg: ExtractConfig, backend: TargetBackend, parse_skipped: Count
         backend=cfg.backend,
         generation={**_generation(cfg).to_manifest(), "backend": cfg.regen_backend} if cfg.regenerate else None,
         regenerated=REGEN_NAME if cfg.regenerate else None, skipped=parse_skipped,
+        self_prompts=self_prompts.report if self_prompts is not None else None,
     )
 
 
@@ -464,22 +476,102 @@ def _concat_regenerated(out: Path, num_shards: int) -> None:
     os.replace(tmp, target)
 
 
+class _Engines:
+    """The target backend and the regenerator, each loaded when first needed and closed once.
+
+    `--data self` needs them before the records exist (to write the prompts); the same ones then
+    regenerate and capture, so a vLLM engine or the hf model is loaded once per run.
+    """
+
+    def __init__(self, cfg: ExtractConfig, target_path: Path) -> None:
+        self.cfg, self.target_path = cfg, target_path
+        self._backend: TargetBackend | None = None
+        self._regenerator: Regenerator | None = None
+        self._tokenizer: Any = None
+
+    @property
+    def loaded(self) -> bool:
+        return self._backend is not None
+
+    def backend(self) -> TargetBackend:
+        if self._backend is None:
+            self._backend = load_backend(self.cfg, self.target_path)
+        return self._backend
+
+    def tokenizer(self) -> Any:
+        if self._backend is not None:
+            return self._backend.tokenizer
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.cfg, self.target_path)
+        return self._tokenizer
+
+    def regenerator(self) -> Regenerator:
+        if self._regenerator is None:
+            backend = self.backend() if self.cfg.regen_backend == "hf" else None
+            self._regenerator = make_regenerator(self.cfg, backend, self.target_path)
+        return self._regenerator
+
+    def close(self) -> None:
+        regenerator, self._regenerator = self._regenerator, None
+        backend, self._backend = self._backend, None
+        try:
+            if regenerator is not None:
+                regenerator.close()
+        finally:
+            if backend is not None:
+                backend.close()
+
+
+def self_prompts(cfg: ExtractConfig, out: Path, engines: _Engines) -> SelfPromptsResult:
+    """The prompts of `--data self`, written by the first rank that gets here (the others wait, then reuse them)."""
+    lock_dir = out / ".locks"
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    with open(lock_dir / "self-prompts.lock", "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            return synthesise(cfg, out, engines.tokenizer(), engines.regenerator)
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def run_extraction(cfg: ExtractConfig) -> ExtractSummary:
     """Do this rank's shards, then assemble the manifest if every rank is done."""
     start = time.perf_counter()
-    inputs = [resolve_data(d) for d in cfg.data]
-    parsed = read_records(inputs, require_assistant=not cfg.regenerate, strict=cfg.strict,
-                          max_records=cfg.max_samples or None)
-    records = parsed.records
-    log.info("read %d records from %d input(s); skipped %s", len(records), len(inputs), dict(parsed.skipped) or "none")
-    target_path = resolve_target(cfg.target)
-
+    given = {d: resolve_data(d) for d in cfg.data if d != SELF_DATA}
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
+    engines: _Engines | None = None
+    written: SelfPromptsResult | None = None
+    if SELF_DATA in cfg.data:  # the target writes these prompts before anything is read
+        engines = _Engines(cfg, resolve_target(cfg.target))
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            written = self_prompts(cfg, out, engines)
+        except BaseException:
+            engines.close()
+            raise
+    inputs = [written.path if d == SELF_DATA and written is not None else given[d] for d in cfg.data]
+    try:
+        parsed = read_records(inputs, require_assistant=not cfg.regenerate, strict=cfg.strict,
+                              max_records=cfg.max_samples or None)
+        records = parsed.records
+        log.info("read %d records from %d input(s); skipped %s", len(records), len(inputs),
+                 dict(parsed.skipped) or "none")
+        target_path = resolve_target(cfg.target)
+        engines = engines or _Engines(cfg, target_path)
+        out.mkdir(parents=True, exist_ok=True)
+        return _extract(cfg, out, target_path, inputs, parsed, engines, written, start)
+    finally:
+        if engines is not None:
+            engines.close()
+
+
+def _extract(cfg: ExtractConfig, out: Path, target_path: Path, inputs: list[Path], parsed: Any, engines: _Engines,
+             written: SelfPromptsResult | None, start: float) -> ExtractSummary:
+    records = parsed.records
     with rank_lock(out, cfg.rank):
         hidden, num_aux = feature_widths(target_path, cfg.aux_layer_ids, cfg.trust_remote_code)
         bpt = _bytes_per_token(cfg, hidden, num_aux)
-        plan = make_plan(cfg, inputs, len(records), parsed.skipped, bpt)
+        plan = make_plan(cfg, inputs, len(records), parsed.skipped, bpt, written)
         starts = plan_shards(out, plan, lambda: record_sizes(cfg, lambda: load_tokenizer(cfg, target_path),
                                                              records, bpt))
         num_shards = len(starts) - 1
@@ -493,15 +585,15 @@ def run_extraction(cfg: ExtractConfig) -> ExtractSummary:
         backend: TargetBackend | None = None
         regenerator: Regenerator | None = None
         if todo or not header_path.exists():
-            backend = load_backend(cfg, target_path)
+            backend = engines.backend()
             info = backend.info
             if _bytes_per_token(cfg, info.hidden_size, len(info.aux_layer_ids)) != bpt:
                 raise ConfigError(f"{cfg.target}: the loaded target has hidden size {info.hidden_size} and "
                                   f"{len(info.aux_layer_ids)} aux layers, its config.json said {hidden} and {num_aux}")
-            atomic_write_text(header_path, json.dumps(make_header(cfg, backend, parsed.skipped), indent=2,
+            atomic_write_text(header_path, json.dumps(make_header(cfg, backend, parsed.skipped, written), indent=2,
                                                        sort_keys=True) + "\n")
             if cfg.regenerate and todo:
-                regenerator = make_regenerator(cfg, backend, target_path)
+                regenerator = engines.regenerator()
         total = sum(starts[s + 1] - starts[s] for s in todo)
         try:
             with tqdm(total=total, unit="sample", desc=f"extract rank {cfg.rank}", disable=None) as progress:
@@ -519,10 +611,7 @@ def run_extraction(cfg: ExtractConfig) -> ExtractSummary:
                     summary.generated.merge(done.checked)
                     summary.bytes_written += (out / done.info.path).stat().st_size
         finally:
-            if regenerator is not None:
-                regenerator.close()
-            if backend is not None:
-                backend.close()
+            engines.close()  # before the manifest: the engines' memory is not needed for it
 
         if cfg.finalize and all((out / shard_relpath(s)).exists() for s in range(num_shards)):
             header = json.loads(header_path.read_text())

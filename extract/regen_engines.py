@@ -45,8 +45,12 @@ class Regenerator(ABC):
 
     @abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]], budgets: Sequence[int], gen: GenerationConfig,
-                 stops: Sequence[int]) -> list[list[int]]:
-        """Continue every prompt with at most ``budgets[i]`` new tokens under ``gen``'s sampling."""
+                 stops: Sequence[int], seeds: Sequence[int] | None = None) -> list[list[int]]:
+        """Continue every prompt with at most ``budgets[i]`` new tokens under ``gen``'s sampling.
+
+        ``seeds``: one per prompt, for sampling the same prompt many times (self-written prompts all
+        start from the same ids); default: derived from ``gen.seed`` and the prompt's ids.
+        """
 
     def describe(self) -> dict[str, Any]:
         """What generated (for the log and the manifest)."""
@@ -65,12 +69,17 @@ class BackendRegenerator(Regenerator):
         self.backend = backend
 
     def generate(self, prompts: Sequence[Sequence[int]], budgets: Sequence[int], gen: GenerationConfig,
-                 stops: Sequence[int]) -> list[list[int]]:
+                 stops: Sequence[int], seeds: Sequence[int] | None = None) -> list[list[int]]:
         out: list[list[int]] = []
         for start in range(0, len(prompts), gen.batch_size):
             chunk = [list(p) for p in prompts[start : start + gen.batch_size]]
             budget = min(budgets[start : start + gen.batch_size])
-            out += self.backend.generate(chunk, replace(gen, max_new_tokens=budget), list(stops))
+            if seeds is None:
+                out += self.backend.generate(chunk, replace(gen, max_new_tokens=budget), list(stops))
+            else:  # per-prompt seeds where the backend samples per request (SGLang); hf draws a batch from one
+                batch_seeds = [int(s) for s in seeds[start : start + gen.batch_size]]
+                out += self.backend.generate(chunk, replace(gen, max_new_tokens=budget, seed=batch_seeds[0]),
+                                             list(stops), seeds=batch_seeds)
         return out
 
 
@@ -81,11 +90,14 @@ def request_seed(seed: int, prompt: Sequence[int]) -> int:
 
 
 def _requests(prompts: Sequence[Sequence[int]], budgets: Sequence[int], gen: GenerationConfig,
-              stops: Sequence[int]) -> list[Any]:
+              stops: Sequence[int], seeds: Sequence[int] | None = None) -> list[Any]:
     from core.engines.request import TokenRequest
 
+    if seeds is not None and len(seeds) != len(prompts):
+        raise RegenError(f"{len(seeds)} seeds for {len(prompts)} prompts")
     return [TokenRequest(id=str(i), prompt_token_ids=[int(t) for t in p], max_tokens=int(b),
-                         temperature=gen.temperature, top_p=gen.top_p, seed=request_seed(gen.seed, p),
+                         temperature=gen.temperature, top_p=gen.top_p,
+                         seed=request_seed(gen.seed, p) if seeds is None else int(seeds[i]),
                          stop_token_ids=[int(t) for t in stops])
             for i, (p, b) in enumerate(zip(prompts, budgets, strict=True))]
 
@@ -138,10 +150,10 @@ class VLLMRegenerator(Regenerator):
         return self.engine
 
     def generate(self, prompts: Sequence[Sequence[int]], budgets: Sequence[int], gen: GenerationConfig,
-                 stops: Sequence[int]) -> list[list[int]]:
+                 stops: Sequence[int], seeds: Sequence[int] | None = None) -> list[list[int]]:
         if not prompts:
             return []
-        rows = self.start().generate(_requests(prompts, budgets, gen, stops))
+        rows = self.start().generate(_requests(prompts, budgets, gen, stops, seeds))
         return checked_outputs(rows, budgets, stops, "vLLM")
 
     def describe(self) -> dict[str, Any]:
@@ -167,10 +179,10 @@ class ServerRegenerator(Regenerator):
         self.server = TokenServer(ServerSettings(url=url, api=api, concurrency=concurrency))
 
     def generate(self, prompts: Sequence[Sequence[int]], budgets: Sequence[int], gen: GenerationConfig,
-                 stops: Sequence[int]) -> list[list[int]]:
+                 stops: Sequence[int], seeds: Sequence[int] | None = None) -> list[list[int]]:
         if not prompts:
             return []
-        rows = self.server.generate(_requests(prompts, budgets, gen, stops))
+        rows = self.server.generate(_requests(prompts, budgets, gen, stops, seeds))
         info = self.server.info
         return checked_outputs(rows, budgets, stops, f"{info.api if info else 'the'} server {self.server.url}")
 
@@ -181,9 +193,12 @@ class ServerRegenerator(Regenerator):
         return {"backend": self.name, "engine": f"{info.api} {info.version or ''}".strip(), "model": info.model}
 
 
-def make_regenerator(cfg: Any, backend: TargetBackend, target_path: str | Path) -> Regenerator:
-    """The regenerator ``cfg.regen_backend`` names (an ExtractConfig); engines start when first asked."""
+def make_regenerator(cfg: Any, backend: TargetBackend | None, target_path: str | Path) -> Regenerator:
+    """The regenerator ``cfg.regen_backend`` names (an ExtractConfig); engines start when first asked.
+    Only hf uses ``backend`` (the capture backend's own generate)."""
     if cfg.regen_backend == "hf":
+        if backend is None:
+            raise RegenError("--regen-backend hf generates with the capture backend, and none was loaded")
         return BackendRegenerator(backend)
     if cfg.regen_backend == "vllm":
         return VLLMRegenerator(target_path, dtype=cfg.dtype, max_model_len=cfg.max_length,

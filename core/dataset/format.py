@@ -115,6 +115,7 @@ def dataset_header(
     regenerated: str | None = None,
     regeneration: Mapping[str, Any] | None = None,
     skipped: Mapping[str, int] | None = None,
+    self_prompts: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The dataset-level manifest fields, for :func:`finalize_dataset` (which adds shards and totals).
 
@@ -123,6 +124,8 @@ def dataset_header(
     ``target`` is the extraction's TargetInfo as a dict (hand-made datasets give at least name,
     path, config_hash and architecture). ``regeneration`` is the check of the samples captured from
     generated ids (``extract.generated.ExactnessCounts``), known once every shard is written.
+    ``self_prompts``: the recipe and counts of the prompts the target wrote itself (``--data self``,
+    ``extract.self_prompts``); the key is present only when they were used.
     """
     kinds = list(teacher)
     bad = [k for k in kinds if k not in TEACHER_KINDS]
@@ -131,7 +134,9 @@ def dataset_header(
     if ("topk" in kinds) != (topk is not None):
         raise ValueError(f"dataset_header: topk={topk} does not fit teacher {kinds}")
     check_hidden_dtype(hidden_dtype)
+    extra = {} if self_prompts is None else {"self_prompts": dict(self_prompts)}
     return {
+        **extra,
         "target": dict(target),
         "backend": backend,
         "tokenizer_hash": tokenizer_hash,

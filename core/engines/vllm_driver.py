@@ -88,6 +88,15 @@ class Driver:
             kwargs["max_num_seqs"] = int(settings["max_num_seqs"])
         if settings.get("gpu_memory_utilization"):
             kwargs["gpu_memory_utilization"] = float(settings["gpu_memory_utilization"])
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu() and not self.drafter:
+            # A prompt prefilled in pieces has the token sampled after a piece discarded, and vLLM 0.32's
+            # CPU runner then rewinds the request's seeded generator, which CPU generators refuse ("CPU
+            # Generator does not use offset"): every seeded sampled batch larger than one step's token
+            # budget died. Whole-prompt prefill avoids the rewind; the budget must then hold a prompt.
+            kwargs["enable_chunked_prefill"] = False
+            kwargs["max_num_batched_tokens"] = max(4096, int(settings["max_model_len"]))
         if self.drafter:
             kwargs["speculative_config"] = {"method": "eagle3", "model": self.drafter,
                                             "num_speculative_tokens": self.steps}

@@ -108,8 +108,13 @@ class TargetBackend(ABC):
         """One forward pass per sequence (batched), returning the captured features of each."""
 
     @abstractmethod
-    def generate(self, prompts: list[list[int]], gen: GenerationConfig, stop_ids: list[int]) -> list[list[int]]:
-        """Continue each prompt; return only the new token ids, ending with a stop id when one was produced."""
+    def generate(self, prompts: list[list[int]], gen: GenerationConfig, stop_ids: list[int],
+                 seeds: list[int] | None = None) -> list[list[int]]:
+        """Continue each prompt; return only the new token ids, ending with a stop id when one was produced.
+
+        ``seeds``: one per prompt where the engine seeds each request (SGLang); otherwise the batch is
+        sampled from one generator seeded with ``gen.seed``, its rows drawing in turn.
+        """
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release engine resources (SGLang processes); a no-op by default."""

@@ -264,8 +264,13 @@ class HFTarget(TargetBackend):
             )
         return out
 
-    def generate(self, prompts: list[list[int]], gen: GenerationConfig, stop_ids: list[int]) -> list[list[int]]:
-        """Batched left-padded greedy/sampled continuation; each result is cut after its first stop id."""
+    def generate(self, prompts: list[list[int]], gen: GenerationConfig, stop_ids: list[int],
+                 seeds: list[int] | None = None) -> list[list[int]]:
+        """Batched left-padded greedy/sampled continuation; each result is cut after its first stop id.
+
+        One generator seeded with ``gen.seed`` samples the whole batch (rows draw in turn), so ``seeds``
+        is not used: the same prompts in the same batches reproduce.
+        """
         from transformers import GenerationConfig as HFGenerationConfig
 
         if not prompts:

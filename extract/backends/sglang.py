@@ -178,10 +178,12 @@ def capture_request(ids: Sequence[int], teacher_k: int) -> dict[str, Any]:
 
 
 def generation_request(
-    prompts: Sequence[Sequence[int]], gen: GenerationConfig, stop_ids: Sequence[int]
+    prompts: Sequence[Sequence[int]], gen: GenerationConfig, stop_ids: Sequence[int],
+    seeds: Sequence[int] | None = None,
 ) -> dict[str, Any]:
     """``Engine.generate`` arguments for regeneration. SGLang honours sampling_seed only with
-    ``enable_deterministic_inference`` (pass it through engine_kwargs for reproducible sampling)."""
+    ``enable_deterministic_inference`` (pass it through engine_kwargs for reproducible sampling);
+    ``seeds`` gives each prompt its own (one sampling-params dict per prompt)."""
     params: dict[str, Any] = {
         "max_new_tokens": int(gen.max_new_tokens),
         "temperature": float(gen.temperature),
@@ -189,9 +191,14 @@ def generation_request(
         "stop_token_ids": [int(t) for t in stop_ids],
         "no_stop_trim": True,
     }
+    ids = [[int(t) for t in p] for p in prompts]
+    if gen.temperature > 0 and seeds is not None:
+        if len(seeds) != len(prompts):
+            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+        return {"input_ids": ids, "sampling_params": [{**params, "sampling_seed": int(s)} for s in seeds]}
     if gen.temperature > 0:
         params["sampling_seed"] = int(gen.seed)
-    return {"input_ids": [[int(t) for t in p] for p in prompts], "sampling_params": params}
+    return {"input_ids": ids, "sampling_params": params}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -485,13 +492,14 @@ class SGLangTarget(TargetBackend):
 
         return engine.loop.run_until_complete(every())
 
-    def generate(self, prompts: list[list[int]], gen: GenerationConfig, stop_ids: list[int]) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], gen: GenerationConfig, stop_ids: list[int],
+                 seeds: list[int] | None = None) -> list[list[int]]:
         """Continue each prompt with the engine's sampler; SGLang batches the requests itself."""
         if not prompts:
             return []
         if min(len(p) for p in prompts) < 1:
             raise ValueError("cannot generate from an empty prompt")
-        outputs = _as_list(self._engine().generate(**generation_request(prompts, gen, stop_ids)))
+        outputs = _as_list(self._engine().generate(**generation_request(prompts, gen, stop_ids, seeds)))
         if len(outputs) != len(prompts):
             raise ValueError(f"SGLang returned {len(outputs)} generations for {len(prompts)} prompts")
         return [parse_generate_output(o) for o in outputs]
