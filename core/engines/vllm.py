@@ -85,7 +85,8 @@ def engine_env(python: str, threads: int | None = None, extra: dict[str, str] | 
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_TARGET_DEVICE=env.get("VLLM_TARGET_DEVICE", "cpu"),
                TOKENIZERS_PARALLELISM="false")
     env.setdefault("OMP_NUM_THREADS", str(threads or 2))
-    venv_root = Path(python).resolve().parent.parent if Path(python).parent.name == "bin" else None
+    # Not resolve(): a venv's bin/python is a symlink to the base interpreter, whose root has no libiomp5.so.
+    venv_root = Path(python).absolute().parent.parent if Path(python).parent.name == "bin" else None
     preload = [p for p in TCMALLOC if Path(p).is_file()][:1]
     if venv_root is not None and (venv_root / "lib" / "libiomp5.so").is_file():
         preload.append(str(venv_root / "lib" / "libiomp5.so"))  # vLLM: CPU spec decode is much slower without it
