@@ -279,8 +279,10 @@ def build_parser() -> argparse.ArgumentParser:
                "/metrics spec-decode counters around each setting (either API; per position too; the server must "
                "carry no other traffic). A server without a drafter: n/a. Exit status: 0 ok, 1 a setting had no "
                "successful request, 2 bad options or an unreachable server.")
-    p.add_argument("--base", help="URL of the server without speculative decoding, e.g. http://host:30000")
-    p.add_argument("--eagle", help="URL of the server running the EAGLE-3 drafter")
+    p.add_argument("--base", help="URL of the server (SGLang or vLLM) without speculative decoding, "
+                                   "e.g. http://host:30000")
+    p.add_argument("--eagle", help="URL of the server (SGLang or vLLM) running the EAGLE-3 drafter; a vLLM "
+                                    "server must carry no other traffic while measured (its counters are global)")
     p.add_argument("--concurrency", type=_int_list, default=[1, 8, 32, 128],
                    help="comma-separated concurrent streams per setting (1 = single stream)")
     p.add_argument("--max-tokens", type=int, default=256, help="max new tokens per request")
@@ -306,7 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="allow the tokenizer's custom code (Kimi-K2.5 needs it; only for folders you trust)")
     p.add_argument("--chat-template-kwargs", type=_json_dict, default={},
                    help='JSON object passed to the chat template, e.g. \'{"thinking": true}\'')
-    p.add_argument("--model", help="model name for the OpenAI-style APIs (default: the first id from /v1/models)")
+    p.add_argument("--model", help="model name for the OpenAI-style APIs; unset: the first id from /v1/models")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="generate exactly --max-tokens per request (fixed length; text after EOS is not "

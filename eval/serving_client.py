@@ -168,7 +168,8 @@ async def send_request(session: aiohttp.ClientSession, target: Target, rs: Reque
 
 
 async def run_level(session: aiohttp.ClientSession, target: Target, rs: RequestSettings, prompts: Sequence[str],
-                    ids: Sequence[list[int]] | None, concurrency: int, n_requests: int) -> tuple[list[RequestResult], float]:
+                    ids: Sequence[list[int]] | None, concurrency: int,
+                    n_requests: int) -> tuple[list[RequestResult], float]:
     """Closed loop: ``concurrency`` workers, each sending its next request when the previous one ends."""
     results: list[RequestResult] = []
     counter = iter(range(n_requests))

@@ -299,7 +299,7 @@ def test_help_documents_every_option():
                          text=True, timeout=60)
     assert run.returncode == 0
     for opt in ["--base", "--eagle", "--concurrency", "--max-tokens", "--prompts", "--num-prompts", "--warmup",
-                "--timeout", "--retries", "--api", "--json", "--markdown", "--plot", "--tokenizer",
+                "--timeout", "--retries", "--engine", "--api", "--json", "--markdown", "--plot", "--tokenizer",
                 "--trust-remote-code", "--chat-template-kwargs", "--ignore-eos", "--min-rounds"]:
         assert opt in run.stdout, opt
     parser = serving.build_parser()
