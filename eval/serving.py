@@ -1,4 +1,4 @@
-"""Serving benchmark for SGLang: base against EAGLE-3, side by side, on chat-templated traffic.
+"""Serving benchmark, SGLang or vLLM: base against EAGLE-3, side by side, on chat-templated traffic.
 
     python -m eval.serving --base http://node1:30000 --eagle http://node2:30000 \\
         --tokenizer /models/Kimi-K2.5 --trust-remote-code --concurrency 1,8,32,128 --json bench.json
@@ -6,21 +6,29 @@
 Why a tool of our own: a server that is "RUNNING" is not a speed-up. What decides is measured
 tokens/s, TPOT and TTFT at each concurrency, the acceptance length the server really achieves,
 and the server's own limits (SGLang caps speculative serving at 48 running requests unless told
-otherwise). All of it is read here, per request, and printed next to the base server's numbers.
+otherwise). All of it is read here and printed next to the base server's numbers.
 
-API choice (``--api``):
-- ``native`` (SGLang ``/generate``): the only API whose responses carry ``meta_info`` with
-  ``spec_verify_ct``, so the only one that measures acceptance. ``/generate`` does not apply a chat
-  template, so prompts are templated client-side with ``--tokenizer`` (the target's folder) and sent
-  as ``input_ids`` (no second BOS). Raw-text prompts would measure acceptance on traffic the drafter
-  never sees; without ``--tokenizer`` native mode is refused.
-- ``openai`` (``/v1/chat/completions``): the server applies its chat template; responses carry no
-  ``meta_info`` (acceptance is reported as n/a, unless a server adds ``meta_info`` to its chunks).
-- ``auto`` (default): native when ``--tokenizer`` is given, else openai.
+Engine (``--engine``; default: detected per server by ``core.engines.server.detect_server``, SGLang
+when ``/model_info`` answers, else vLLM when ``/v1/models`` does). Acceptance is the engine's own:
 
-Every request streams (SSE) so TTFT is measured; each has a bounded time-out and a bounded number
-of retries (connection errors, time-outs, 5xx and 429). A server that cannot be reached fails fast
-with an error naming its URL. See ``eval/serving_report.py`` for the definitions of every number.
+- SGLang: per request from ``meta_info.spec_verify_ct``, so only its native API measures it;
+  ``/server_info`` gives the speculative settings (and the 48-request cap, warned about).
+- vLLM: the difference of the ``/metrics`` spec-decode counters read before and after each
+  concurrency setting: τ = 1 + accepted / drafts and the per-position rates, as ``eval.online``
+  reads them from ``LLM.get_metrics()``. Works with either API; the server must carry no other
+  traffic while it is measured. See ``eval/serving_acceptance.py``.
+
+A server without a drafter has no acceptance: it is reported as n/a (and labelled), never as 1.0.
+
+API (``--api``): ``native`` sends the prompts as token ids rendered here with ``--tokenizer`` (the
+target's folder): SGLang ``/generate``, vLLM ``/v1/completions``; ``openai`` sends chat messages to
+``/v1/chat/completions`` and the server templates them (SGLang then reports no acceptance);
+``auto`` (default): native when ``--tokenizer`` is given, else openai.
+
+Job split: prompts (``eval/serving_prompts.py``), transport (``eval/serving_client.py``), acceptance
+per engine (``eval/serving_acceptance.py``), numbers and outputs (``eval/serving_report.py``); this
+module holds the options and runs the sweep. A server that cannot be reached fails fast with an
+error naming its URL.
 """
 
 from __future__ import annotations
@@ -39,8 +47,12 @@ from typing import Any
 import aiohttp
 
 from core.config import parse_hyphenated
+from core.engines.server import ServerError, detect_server, get_json
+from eval import serving_acceptance as acc
+from eval.serving_client import RequestSettings, Target, requests_for, run_level
+from eval.serving_prompts import ServingError, encode_chat_prompts, load_prompts
 from eval.serving_report import (
-    RequestResult,
+    apply_counter_delta,
     build_report,
     render_report_text,
     summarize,
@@ -49,25 +61,10 @@ from eval.serving_report import (
     write_plot,
 )
 
+__all__ = ["ServingConfig", "ServingError", "load_prompts", "main", "run_benchmark"]
+
 logger = logging.getLogger("eval.serving")
-
-SGLANG_SPEC_DEFAULT_MAX_RUNNING = 48  # speculative_hook._handle_eagle_family when --max-running-requests is unset
-RETRYABLE_STATUS = {429, 500, 502, 503, 504}
-INFO_KEYS = (
-    "model_path", "version", "tp_size", "context_length", "max_running_requests", "cuda_graph_max_bs",
-    "speculative_algorithm", "speculative_draft_model_path", "speculative_num_steps",
-    "speculative_eagle_topk", "speculative_num_draft_tokens",
-)
-
-
-class ServingError(RuntimeError):
-    """A condition that stops the benchmark (unreachable server, bad options, unusable prompts)."""
-
-
-class RequestFailed(Exception):
-    def __init__(self, message: str, retryable: bool):
-        super().__init__(message)
-        self.retryable = retryable
+ENGINES = ("auto", "sglang", "vllm")
 
 
 @dataclass
@@ -84,6 +81,7 @@ class ServingConfig:
     connect_timeout: float = 10.0
     retries: int = 2
     retry_backoff: float = 0.5
+    engine: str = "auto"  # auto | sglang | vllm
     api: str = "auto"
     tokenizer: str | None = None
     trust_remote_code: bool = False
@@ -95,151 +93,19 @@ class ServingConfig:
     markdown_path: str | None = None
     plot_path: str | None = None
 
-
-# ---------------------------------------------------------------------------------------------------------
-# Prompts
-
-
-def _first_user_turn(rec: Any) -> str | None:
-    if isinstance(rec, str):
-        return rec
-    if not isinstance(rec, dict):
-        return None
-    turns = rec.get("turns")
-    if isinstance(turns, list) and turns and isinstance(turns[0], str):
-        return turns[0]
-    for key in ("prompt", "question", "instruction", "text"):
-        if isinstance(rec.get(key), str):
-            return rec[key]
-    for key, role_key, text_key in (("messages", "role", "content"), ("conversations", "from", "value")):
-        msgs = rec.get(key)
-        if isinstance(msgs, list):
-            for m in msgs:
-                if isinstance(m, dict) and m.get(role_key) in ("user", "human"):
-                    text = m.get(text_key, m.get("content"))
-                    if isinstance(text, str):
-                        return text
-    return None
-
-
-def load_prompts(path: str | None, num: int) -> tuple[list[str], str]:
-    """First user turns from a JSONL/JSON/text file (default: the embedded MT-bench questions).
-
-    JSONL records may carry ``turns`` (MT-bench), ``prompt``/``question``/``instruction``/``text``,
-    OpenAI ``messages`` or ShareGPT ``conversations``; a ``.txt`` file holds one prompt per line.
-    """
-    if path is None:
-        from core.embedded import resolve_data
-
-        src = Path(resolve_data("mtbench"))
-    else:
-        src = Path(path)
-        if not src.is_file():
-            raise ServingError(f"--prompts {path}: no such file")
-    prompts: list[str] = []
-    if src.suffix == ".txt":
-        prompts = [line.strip() for line in src.read_text().splitlines() if line.strip()]
-    elif src.suffix == ".json":
-        try:
-            data = json.loads(src.read_text())
-        except json.JSONDecodeError as e:
-            raise ServingError(f"{src}: not valid JSON ({e})") from e
-        for i, rec in enumerate(data if isinstance(data, list) else []):
-            text = _first_user_turn(rec)
-            if text is None:
-                raise ServingError(f"{src}: record {i} has no prompt (turns, prompt, messages, conversations)")
-            prompts.append(text)
-    else:
-        with src.open() as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ServingError(f"{src}:{lineno}: not valid JSON ({e})") from e
-                text = _first_user_turn(rec)
-                if text is None:
-                    raise ServingError(
-                        f"{src}:{lineno}: no prompt (expected turns, prompt, question, text, messages or conversations)")
-                prompts.append(text)
-                if num and len(prompts) >= num:
-                    break
-    if num:
-        prompts = prompts[:num]
-    if not prompts:
-        raise ServingError(f"{src}: no prompts")
-    return prompts, str(src)
-
-
-def encode_chat_prompts(prompts: Sequence[str], tokenizer_path: str, trust_remote_code: bool,
-                        chat_template_kwargs: dict[str, Any]) -> list[list[int]]:
-    """Token ids of [user prompt] + generation prompt, rendered with the target's own template."""
-    from transformers import AutoTokenizer
-
-    try:
-        tok = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code)
-    except Exception as e:
-        raise ServingError(f"--tokenizer {tokenizer_path}: cannot load ({type(e).__name__}: {e})") from e
-    if not getattr(tok, "chat_template", None):
-        raise ServingError(f"--tokenizer {tokenizer_path}: has no chat template")
-    out = []
-    for p in prompts:
-        text = tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                       add_generation_prompt=True, **chat_template_kwargs)
-        # The template renders BOS itself; adding special tokens again would double it.
-        out.append(list(tok(text, add_special_tokens=False)["input_ids"]))
-    return out
+    def request_settings(self) -> RequestSettings:
+        return RequestSettings(max_tokens=self.max_tokens, temperature=self.temperature, ignore_eos=self.ignore_eos,
+                               chat_template_kwargs=self.chat_template_kwargs, timeout=self.timeout,
+                               connect_timeout=self.connect_timeout, retries=self.retries,
+                               retry_backoff=self.retry_backoff)
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Server info
-
-
-def parse_server_info(raw: dict[str, Any]) -> dict[str, Any]:
-    """The fields we print and check, from SGLang's ``/server_info`` (server args + scheduler info + states)."""
-    info = {k: raw.get(k) for k in INFO_KEYS}
-    states = raw.get("internal_states")
-    state = states[0] if isinstance(states, list) and states else states if isinstance(states, dict) else {}
-    info["avg_spec_accept_length"] = state.get("avg_spec_accept_length") if isinstance(state, dict) else None
-    if info["max_running_requests"] is None and isinstance(state, dict):
-        info["max_running_requests"] = state.get("max_running_requests")
-    return info
-
-
-def server_warnings(role: str, info: dict[str, Any], concurrency: Sequence[int], found: bool) -> list[str]:
-    """Loud, specific warnings: the 48 cap, concurrency above the server's limits, a mislabelled server."""
-    if not found:
-        return ["the server exposes neither /server_info nor /get_server_info: its speculative settings "
-                "and max_running_requests are unknown"]
-    out = []
-    spec = info.get("speculative_algorithm")
-    mrr = info.get("max_running_requests")
-    top = max(concurrency) if concurrency else 0
-    if spec and mrr == SGLANG_SPEC_DEFAULT_MAX_RUNNING:
-        out.append(
-            f"speculative server ({spec}) runs with max_running_requests = 48, SGLang's cap for speculative "
-            "decoding when --max-running-requests is not given (or it was set to 48): requests above 48 queue. "
-            "This cap turned 2,370 tok/s into 849 tok/s in the write-up this project started from. Relaunch "
-            "with an explicit --max-running-requests N --cuda-graph-max-bs N (slurm/serve.sh does).")
-    elif spec and mrr is None:
-        out.append(f"speculative server ({spec}) does not report max_running_requests: SGLang caps speculative "
-                   "serving at 48 unless --max-running-requests is given")
-    if isinstance(mrr, int) and top > mrr:
-        out.append(f"concurrency {top} exceeds max_running_requests {mrr}: the extra requests queue, "
-                   "so throughput at that setting measures the cap, not the decoder")
-    cg = info.get("cuda_graph_max_bs")
-    if isinstance(cg, int) and spec and top > cg:
-        out.append(f"concurrency {top} exceeds cuda_graph_max_bs {cg}: larger batches run without CUDA graphs")
-    if role == "eagle" and not spec:
-        out.append("the --eagle server reports no speculative_algorithm: it is not running a drafter")
-    if role == "base" and spec:
-        out.append(f"the --base server runs speculative decoding ({spec}): it is not a baseline")
-    return out
+# Server identity and settings
 
 
 async def fetch_server_info(session: aiohttp.ClientSession, url: str, timeout: float) -> tuple[dict, bool]:
-    """GET /server_info, falling back to /get_server_info (older SGLang); unreachable → ServingError."""
+    """SGLang's GET /server_info, falling back to /get_server_info (older SGLang); ({}, False) when neither."""
     t = aiohttp.ClientTimeout(total=timeout)
     for path in ("/server_info", "/get_server_info"):
         try:
@@ -250,9 +116,6 @@ async def fetch_server_info(session: aiohttp.ClientSession, url: str, timeout: f
                     text = (await resp.text())[:200]
                     raise ServingError(f"{url}{path}: HTTP {resp.status}: {text}")
                 return await resp.json(content_type=None), True
-        except aiohttp.ClientConnectorError as e:
-            raise ServingError(f"cannot connect to {url}: {e.os_error or e}. Is the server up? "
-                               "(Kimi-K2.5 takes 5-10 minutes to load before it answers)") from e
         except (asyncio.TimeoutError, TimeoutError) as e:
             raise ServingError(f"{url}{path} did not answer within {timeout:.0f}s") from e
         except (aiohttp.ClientError, json.JSONDecodeError) as e:
@@ -260,214 +123,108 @@ async def fetch_server_info(session: aiohttp.ClientSession, url: str, timeout: f
     return {}, False
 
 
-async def fetch_model_id(session: aiohttp.ClientSession, url: str, timeout: float) -> str:
+async def identify(session: aiohttp.ClientSession, target: Target, cfg: ServingConfig,
+                   timeout: float) -> dict[str, Any]:
+    """Which engine serves ``target.url`` (sets ``target.engine`` and ``target.model``), its settings and warnings."""
     try:
-        async with session.get(url + "/v1/models", timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
-            if resp.status == 200:
-                data = (await resp.json(content_type=None)).get("data") or []
-                if data and isinstance(data[0], dict) and data[0].get("id"):
-                    return str(data[0]["id"])
-    except (aiohttp.ClientError, asyncio.TimeoutError, TimeoutError, json.JSONDecodeError, AttributeError):
-        pass
-    return "default"
+        server = await detect_server(session, target.url, cfg.engine, retries=cfg.retries,
+                                     backoff_s=cfg.retry_backoff, hint=f"--{target.role}")
+    except ServerError as e:
+        raise ServingError(str(e)) from None
+    target.engine = server.api
+    if target.engine == "sglang":
+        raw, found = await fetch_server_info(session, target.url, timeout)
+        info = acc.parse_sglang_info(raw)
+        warnings = acc.sglang_warnings(target.role, info, cfg.concurrency, found)
+        model = server.model
+        if target.api == "openai":  # the served name, which may differ from the path
+            _, models = await get_json(session, target.url, "/v1/models", retries=cfg.retries,
+                                       backoff_s=cfg.retry_backoff, hint=f"--{target.role}", timeout_s=timeout)
+            data = models.get("data") if isinstance(models, dict) else None
+            model = str(data[0]["id"]) if data and isinstance(data[0], dict) and data[0].get("id") else "default"
+        target.model = cfg.model or model or "default"
+        return {"info": info, "server_info_found": found, "warnings": warnings}
+    counters = await _counters(session, target.url, timeout)
+    _, models = await get_json(session, target.url, "/v1/models", retries=cfg.retries, backoff_s=cfg.retry_backoff,
+                               hint=f"--{target.role}", timeout_s=timeout)
+    target.model = cfg.model or server.model or "default"
+    return {"info": acc.vllm_info(models, server.version, counters), "server_info_found": True,
+            "warnings": acc.vllm_warnings(target.role, counters), "counters": counters}
+
+
+async def _counters(session: aiohttp.ClientSession, url: str, timeout: float) -> acc.SpecCounters:
+    try:
+        return await acc.read_counters(session, url, timeout)
+    except acc.MetricsError as e:
+        raise ServingError(str(e)) from None
 
 
 # ---------------------------------------------------------------------------------------------------------
-# One request
-
-
-@dataclass
-class Target:
-    """A server and how to talk to it."""
-
-    role: str
-    url: str
-    api: str  # "native" | "openai"
-    model: str = "default"
-
-
-def build_payload(target: Target, cfg: ServingConfig, prompt: str, input_ids: list[int] | None) -> tuple[str, dict]:
-    if target.api == "native":
-        params: dict[str, Any] = {"max_new_tokens": cfg.max_tokens, "temperature": cfg.temperature}
-        if cfg.ignore_eos:
-            params["ignore_eos"] = True
-        return "/generate", {"input_ids": input_ids, "sampling_params": params, "stream": True}
-    body: dict[str, Any] = {
-        "model": target.model,
-        "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": cfg.max_tokens,
-        "temperature": cfg.temperature,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    if cfg.ignore_eos:
-        body["ignore_eos"] = True
-    if cfg.chat_template_kwargs:
-        body["chat_template_kwargs"] = cfg.chat_template_kwargs
-    return "/v1/chat/completions", body
-
-
-async def _stream_once(session: aiohttp.ClientSession, target: Target, path: str, body: dict,
-                       timeout: aiohttp.ClientTimeout) -> RequestResult:
-    t0 = time.perf_counter()
-    ttft: float | None = None
-    meta: dict[str, Any] = {}
-    usage_tokens: int | None = None
-    content_chunks = 0
-    done = False
-    async with session.post(target.url + path, json=body, timeout=timeout) as resp:
-        if resp.status != 200:
-            text = (await resp.text())[:300]
-            raise RequestFailed(f"HTTP {resp.status} from {target.url}{path}: {text}",
-                                retryable=resp.status in RETRYABLE_STATUS)
-        async for raw in resp.content:
-            line = raw.decode("utf-8", "replace").strip()
-            if not line.startswith("data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == "[DONE]":
-                done = True
-                break
-            try:
-                chunk = json.loads(payload)
-            except json.JSONDecodeError as e:
-                raise RequestFailed(f"bad SSE chunk from {target.url}{path}: {payload[:120]!r}", False) from e
-            if isinstance(chunk, dict) and chunk.get("error"):
-                raise RequestFailed(f"server error from {target.url}{path}: {chunk['error']}", False)
-            if target.api == "native":
-                m = chunk.get("meta_info") or {}
-                if ttft is None and (chunk.get("text") or m.get("completion_tokens") or chunk.get("output_ids")):
-                    ttft = time.perf_counter() - t0
-                meta = m or meta
-            else:
-                for choice in chunk.get("choices") or []:
-                    delta = choice.get("delta") or {}
-                    if delta.get("content") or delta.get("reasoning_content"):
-                        content_chunks += 1
-                        if ttft is None:
-                            ttft = time.perf_counter() - t0
-                if chunk.get("usage"):
-                    usage_tokens = chunk["usage"].get("completion_tokens")
-                if isinstance(chunk.get("meta_info"), dict):
-                    meta = chunk["meta_info"]
-    latency = time.perf_counter() - t0
-    if not done:
-        raise RequestFailed(f"stream from {target.url}{path} ended before [DONE] (connection dropped?)", True)
-    tokens = meta.get("completion_tokens")
-    if tokens is None:
-        tokens = usage_tokens if usage_tokens is not None else content_chunks
-    verify = meta.get("spec_verify_ct")
-    accept = meta.get("spec_accept_length")
-    if accept is None and verify:
-        accept = tokens / verify
-    return RequestResult(ok=True, latency_s=latency, ttft_s=ttft, completion_tokens=int(tokens),
-                         spec_verify_ct=int(verify) if verify else None,
-                         spec_accept_length=float(accept) if accept is not None else None)
-
-
-async def send_request(session: aiohttp.ClientSession, target: Target, cfg: ServingConfig, prompt: str,
-                       input_ids: list[int] | None) -> RequestResult:
-    """One request with a bounded time-out per attempt and at most ``cfg.retries`` retries."""
-    path, body = build_payload(target, cfg, prompt, input_ids)
-    timeout = aiohttp.ClientTimeout(total=cfg.timeout, sock_connect=cfg.connect_timeout)
-    error = ""
-    for attempt in range(cfg.retries + 1):
-        if attempt:
-            await asyncio.sleep(min(cfg.retry_backoff * 2 ** (attempt - 1), 5.0))
-        try:
-            result = await _stream_once(session, target, path, body, timeout)
-            result.attempts = attempt + 1
-            return result
-        except RequestFailed as e:
-            error = str(e)
-            if not e.retryable:
-                return RequestResult(ok=False, attempts=attempt + 1, error=error)
-        except (asyncio.TimeoutError, TimeoutError):
-            error = f"timed out after {cfg.timeout:g}s ({target.url}{path})"
-        except aiohttp.ClientError as e:
-            error = f"{type(e).__name__} from {target.url}{path}: {e}"
-        logger.debug("attempt %d failed: %s", attempt + 1, error)
-    return RequestResult(ok=False, attempts=cfg.retries + 1, error=error)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Settings
-
-
-async def run_level(session: aiohttp.ClientSession, target: Target, cfg: ServingConfig, prompts: Sequence[str],
-                    ids: Sequence[list[int]] | None, concurrency: int, n_requests: int) -> tuple[list[RequestResult], float]:
-    """Closed loop: ``concurrency`` workers, each sending its next request when the previous one ends."""
-    results: list[RequestResult] = []
-    counter = iter(range(n_requests))
-
-    async def worker() -> None:
-        for i in counter:
-            k = i % len(prompts)
-            results.append(await send_request(session, target, cfg, prompts[k], ids[k] if ids else None))
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(min(concurrency, n_requests))))
-    return results, time.perf_counter() - t0
-
-
-def requests_for(concurrency: int, num_prompts: int, min_rounds: int) -> int:
-    """Every prompt once, and at least ``min_rounds`` requests per worker so the server stays at that load."""
-    return max(num_prompts, min_rounds * concurrency)
+# The sweep
 
 
 async def bench_server(target: Target, cfg: ServingConfig, prompts: Sequence[str],
                        ids: Sequence[list[int]] | None) -> dict[str, Any]:
+    """One server: identity, warm-up, then each concurrency (vLLM: counters read around each)."""
     top = max(cfg.concurrency)
     info_timeout = min(cfg.timeout, max(cfg.connect_timeout, 30.0))
+    rs = cfg.request_settings()
     connector = aiohttp.TCPConnector(limit=top + 8)
     async with aiohttp.ClientSession(connector=connector, read_bufsize=2**20) as session:
-        raw, found = await fetch_server_info(session, target.url, info_timeout)
-        info = parse_server_info(raw)
-        warnings = server_warnings(target.role, info, cfg.concurrency, found)
-        for w in warnings:
+        ident = await identify(session, target, cfg, info_timeout)
+        for w in ident["warnings"]:
             logger.warning("!!! %s (%s): %s", target.role, target.url, w)
-        if target.api == "openai":
-            target.model = cfg.model or await fetch_model_id(session, target.url, info_timeout)
+        counted = target.engine == "vllm" and ident["counters"].speculative
         if cfg.warmup > 0:
             logger.info("%s: warm-up, %d requests", target.url, cfg.warmup)
-            warm, _ = await run_level(session, target, cfg, prompts, ids, min(cfg.warmup, 8), cfg.warmup)
+            warm, _ = await run_level(session, target, rs, prompts, ids, min(cfg.warmup, 8), cfg.warmup)
             if not any(r.ok for r in warm):
                 raise ServingError(f"{target.url}: every warm-up request failed: {warm[0].error}")
         levels = []
         for c in cfg.concurrency:
             n = requests_for(c, len(prompts), cfg.min_rounds)
             logger.info("%s: concurrency %d, %d requests", target.url, c, n)
-            results, duration = await run_level(session, target, cfg, prompts, ids, c, n)
+            before = await _counters(session, target.url, info_timeout) if counted else None
+            results, duration = await run_level(session, target, rs, prompts, ids, c, n)
             stats = summarize(results, c, duration)
+            if before is not None:
+                after = await _counters(session, target.url, info_timeout)
+                try:
+                    apply_counter_delta(stats, acc.counters_delta(before, after))
+                except acc.MetricsError as e:
+                    raise ServingError(f"{target.url}: {e}") from None
             if stats.errors:
                 logger.warning("%s: concurrency %d: %d/%d requests failed, e.g. %s", target.url, c, stats.errors,
                                stats.requests, stats.error_samples[0])
             levels.append(stats)
-        if found:  # the cumulative server-side acceptance, after our traffic
+        info = ident["info"]
+        if target.engine == "sglang" and ident["server_info_found"]:  # cumulative server-side, after our traffic
             raw_after, _ = await fetch_server_info(session, target.url, info_timeout)
-            info["avg_spec_accept_length"] = parse_server_info(raw_after).get("avg_spec_accept_length")
-    return {"url": target.url, "api": target.api, "info": info, "server_info_found": found,
-            "warnings": warnings, "levels": levels}
+            info["avg_spec_accept_length"] = acc.parse_sglang_info(raw_after).get("avg_spec_accept_length")
+    return {"url": target.url, "engine": target.engine, "api": target.api, "info": info,
+            "server_info_found": ident["server_info_found"], "warnings": ident["warnings"], "levels": levels}
 
 
 def resolve_api(cfg: ServingConfig) -> str:
     if cfg.api == "auto":
         return "native" if cfg.tokenizer else "openai"
     if cfg.api == "native" and not cfg.tokenizer:
-        raise ServingError("--api native needs --tokenizer (the target's folder): SGLang's /generate applies no "
-                           "chat template, and raw-text prompts give misleading acceptance. Pass --tokenizer, "
-                           "or use --api openai (no acceptance numbers).")
+        raise ServingError("--api native needs --tokenizer (the target's folder): the token-id APIs (SGLang "
+                           "/generate, vLLM /v1/completions) apply no chat template, and raw-text prompts give "
+                           "misleading acceptance. Pass --tokenizer, or use --api openai.")
     if cfg.api == "openai" and cfg.tokenizer:
         logger.info("--api openai: the server applies its own chat template; --tokenizer is not used")
     return cfg.api
 
 
 async def run_benchmark(cfg: ServingConfig) -> dict[str, Any]:
-    """Both servers (or one), in turn: server info, warm-up, the concurrency sweep; returns the report dict."""
+    """Both servers (or one), in turn: identity, warm-up, the concurrency sweep; returns the report dict."""
     if not cfg.base and not cfg.eagle:
         raise ServingError("give --base URL, --eagle URL, or both")
     if not cfg.concurrency or min(cfg.concurrency) < 1:
         raise ServingError(f"--concurrency must be positive integers, got {cfg.concurrency}")
+    if cfg.engine not in ENGINES:
+        raise ServingError(f"--engine must be one of {ENGINES}, got {cfg.engine!r}")
     api = resolve_api(cfg)
     prompts, source = load_prompts(cfg.prompts, cfg.num_prompts)
     ids = None
@@ -478,10 +235,10 @@ async def run_benchmark(cfg: ServingConfig) -> dict[str, Any]:
         if url:
             servers[role] = await bench_server(Target(role, url.rstrip("/"), api), cfg, prompts, ids)
     settings = {
-        "api": api, "concurrency": cfg.concurrency, "max_tokens": cfg.max_tokens, "temperature": cfg.temperature,
-        "ignore_eos": cfg.ignore_eos, "prompts": source, "num_prompts": len(prompts), "min_rounds": cfg.min_rounds,
-        "warmup": cfg.warmup, "timeout_s": cfg.timeout, "retries": cfg.retries, "tokenizer": cfg.tokenizer,
-        "chat_template_kwargs": cfg.chat_template_kwargs,
+        "engine": cfg.engine, "api": api, "concurrency": cfg.concurrency, "max_tokens": cfg.max_tokens,
+        "temperature": cfg.temperature, "ignore_eos": cfg.ignore_eos, "prompts": source, "num_prompts": len(prompts),
+        "min_rounds": cfg.min_rounds, "warmup": cfg.warmup, "timeout_s": cfg.timeout, "retries": cfg.retries,
+        "tokenizer": cfg.tokenizer, "chat_template_kwargs": cfg.chat_template_kwargs,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     return build_report(settings, servers)
@@ -514,13 +271,18 @@ def _json_dict(text: str) -> dict[str, Any]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m eval.serving",
-        description="Benchmark SGLang servers: base vs EAGLE-3 side by side (tokens/s, TPOT, TTFT, acceptance).",
+        description="Benchmark SGLang or vLLM servers: base vs EAGLE-3 side by side (tokens/s, TPOT, TTFT, "
+                    "acceptance).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        epilog="Acceptance length = Σ completion tokens / Σ spec_verify_ct from SGLang's per-request meta_info "
-               "(native API only). Exit status: 0 ok, 1 a setting had no successful request, 2 bad options or "
-               "an unreachable server.")
-    p.add_argument("--base", help="URL of the server without speculative decoding, e.g. http://host:30000")
-    p.add_argument("--eagle", help="URL of the server running the EAGLE-3 drafter")
+        epilog="Acceptance length, the engine's own: SGLang: Σ completion tokens / Σ spec_verify_ct from each "
+               "answer's meta_info (native API only); vLLM: 1 + accepted / drafts from the difference of its "
+               "/metrics spec-decode counters around each setting (either API; per position too; the server must "
+               "carry no other traffic). A server without a drafter: n/a. Exit status: 0 ok, 1 a setting had no "
+               "successful request, 2 bad options or an unreachable server.")
+    p.add_argument("--base", help="URL of the server (SGLang or vLLM) without speculative decoding, "
+                                   "e.g. http://host:30000")
+    p.add_argument("--eagle", help="URL of the server (SGLang or vLLM) running the EAGLE-3 drafter; a vLLM "
+                                    "server must carry no other traffic while measured (its counters are global)")
     p.add_argument("--concurrency", type=_int_list, default=[1, 8, 32, 128],
                    help="comma-separated concurrent streams per setting (1 = single stream)")
     p.add_argument("--max-tokens", type=int, default=256, help="max new tokens per request")
@@ -534,15 +296,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--connect-timeout", type=float, default=10.0, help="seconds to open a connection")
     p.add_argument("--retries", type=int, default=2,
                    help="retries per request after a connection error, time-out, 5xx or 429")
+    p.add_argument("--engine", choices=list(ENGINES), default="auto",
+                   help="the servers' engine; auto: detected per server (SGLang when /model_info answers, else "
+                        "vLLM when /v1/models does)")
     p.add_argument("--api", choices=["auto", "native", "openai"], default="auto",
-                   help="native: /generate with client-side chat template (needs --tokenizer; measures "
-                        "acceptance); openai: /v1/chat/completions (acceptance n/a); auto: native iff --tokenizer")
+                   help="native: token ids rendered here with --tokenizer's chat template (SGLang /generate, "
+                        "vLLM /v1/completions); openai: /v1/chat/completions, the server templates (SGLang then "
+                        "reports no acceptance; vLLM's comes from /metrics either way); auto: native iff --tokenizer")
     p.add_argument("--tokenizer", help="target model/tokenizer folder whose chat template renders the prompts")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="allow the tokenizer's custom code (Kimi-K2.5 needs it; only for folders you trust)")
     p.add_argument("--chat-template-kwargs", type=_json_dict, default={},
                    help='JSON object passed to the chat template, e.g. \'{"thinking": true}\'')
-    p.add_argument("--model", help="model name for the OpenAI API (default: the first id from /v1/models)")
+    p.add_argument("--model", help="model name for the OpenAI-style APIs; unset: the first id from /v1/models")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="generate exactly --max-tokens per request (fixed length; text after EOS is not "
@@ -560,7 +326,8 @@ def config_from_args(args: argparse.Namespace) -> ServingConfig:
     return ServingConfig(
         base=args.base, eagle=args.eagle, concurrency=args.concurrency, max_tokens=args.max_tokens,
         prompts=args.prompts, num_prompts=args.num_prompts, min_rounds=max(args.min_rounds, 1), warmup=args.warmup,
-        timeout=args.timeout, connect_timeout=args.connect_timeout, retries=args.retries, api=args.api,
+        timeout=args.timeout, connect_timeout=args.connect_timeout, retries=args.retries, engine=args.engine,
+        api=args.api,
         tokenizer=args.tokenizer, trust_remote_code=args.trust_remote_code,
         chat_template_kwargs=args.chat_template_kwargs, model=args.model, temperature=args.temperature,
         ignore_eos=args.ignore_eos, json_path=args.json_path, markdown_path=args.markdown_path,

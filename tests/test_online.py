@@ -120,6 +120,7 @@ def test_engine_env_preloads_intel_openmp(tmp_path):
     (venv / "bin").mkdir(parents=True)
     (venv / "lib").mkdir()
     (venv / "lib" / "libiomp5.so").write_bytes(b"")
+    (venv / "bin" / "python").symlink_to(sys.executable)  # as in a venv: a link to the base interpreter
     env = vllm_engine.engine_env(str(venv / "bin" / "python"))
     assert str(venv / "lib" / "libiomp5.so") in env["LD_PRELOAD"].split(":")
     assert env["HF_HUB_OFFLINE"] == "1" and env["VLLM_TARGET_DEVICE"] == "cpu"

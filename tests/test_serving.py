@@ -225,7 +225,7 @@ def test_a_server_that_cuts_streams_is_an_error_not_a_result(prompts_file, kimi_
 def test_dead_url_fails_fast_naming_it(prompts_file):
     url = dead_url()
     t0 = time.perf_counter()
-    with pytest.raises(ServingError, match=f"cannot connect to {url}"):
+    with pytest.raises(ServingError, match=f"cannot reach the server at {url}"):
         _run(_cfg(prompts_file, base=url))
     assert time.perf_counter() - t0 < 5.0
 
@@ -272,7 +272,7 @@ def test_cli_writes_table_json_markdown_and_png(prompts_file, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "Side by side (ratio = EAGLE-3 / base)" in out and "max_running_requests: 256" in out
     report = json.loads((tmp_path / "r.json").read_text())
-    assert report["schema"] == "redraft.serving/1"
+    assert report["schema"] == "redraft.serving/2"
     assert set(report["servers"]) == {"base", "eagle"} and len(report["comparison"]) == 2
     assert report["settings"]["concurrency"] == [1, 2]
     md = (tmp_path / "r.md").read_text()
@@ -299,7 +299,7 @@ def test_help_documents_every_option():
                          text=True, timeout=60)
     assert run.returncode == 0
     for opt in ["--base", "--eagle", "--concurrency", "--max-tokens", "--prompts", "--num-prompts", "--warmup",
-                "--timeout", "--retries", "--api", "--json", "--markdown", "--plot", "--tokenizer",
+                "--timeout", "--retries", "--engine", "--api", "--json", "--markdown", "--plot", "--tokenizer",
                 "--trust-remote-code", "--chat-template-kwargs", "--ignore-eos", "--min-rounds"]:
         assert opt in run.stdout, opt
     parser = serving.build_parser()

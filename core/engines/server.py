@@ -131,51 +131,11 @@ class TokenServer:
     # ------------------------------------------------------------------------------------------- detection
 
     async def _detect(self, session: aiohttp.ClientSession) -> ServerInfo:
-        if self.info is not None:
-            return self.info
-        api = self.settings.api
-        if api in ("auto", "sglang"):
-            for path in ("/model_info", "/get_model_info"):
-                status, body = await self._get(session, path)
-                if status == 200 and isinstance(body, dict) and "model_path" in body:
-                    _, server = await self._get(session, "/server_info")
-                    version = server.get("version") if isinstance(server, dict) else None
-                    self.info = ServerInfo("sglang", body.get("model_path"), version)
-                    break
-        if self.info is None and api in ("auto", "vllm"):
-            status, models = await self._get(session, "/v1/models")
-            _, version = await self._get(session, "/version")
-            if status == 200 and isinstance(models, dict) and models.get("data"):
-                self.info = ServerInfo("vllm", str(models["data"][0].get("id")),
-                                       version.get("version") if isinstance(version, dict) else None)
         if self.info is None:
-            raise ServerError(f"{self.url} answers, but not as an SGLang server (/model_info) or a vLLM server "
-                              f"(/v1/models){' with --regen-server-api ' + api if api != 'auto' else ''}")
-        log.info("server %s: %s %s serving %s", self.url, self.info.api, self.info.version or "", self.info.model)
+            s = self.settings
+            self.info = await detect_server(session, self.url, s.api, retries=s.retries, backoff_s=s.backoff_s,
+                                            hint="--regen-url")
         return self.info
-
-    async def _get(self, session: aiohttp.ClientSession, path: str) -> tuple[int, Any]:
-        """(status, JSON or None); connection problems retried with backoff, then a ServerError naming the URL."""
-        s = self.settings
-        last: Exception | None = None
-        for attempt in range(s.retries + 1):
-            try:
-                async with session.get(self.url + path, timeout=aiohttp.ClientTimeout(total=30)) as resp:
-                    try:
-                        body = await resp.json(content_type=None)
-                    except ValueError:
-                        body = None
-                    if resp.status in RETRYABLE_STATUS and attempt < s.retries:
-                        last = ServerError(f"HTTP {resp.status}")
-                    else:
-                        return resp.status, body
-            except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
-                last = e
-            if attempt < s.retries:
-                await asyncio.sleep(_backoff(s.backoff_s, attempt))
-        raise ServerError(f"cannot reach the server at {self.url} ({type(last).__name__}: {last}) after "
-                          f"{s.retries + 1} tries: start it (SGLang: python -m sglang.launch_server --model-path "
-                          f"TARGET; vLLM: vllm serve TARGET) or fix --regen-url")
 
     # ------------------------------------------------------------------------------------------- requests
 
@@ -218,6 +178,60 @@ class TokenServer:
                               f"were sent ({len(prompt)} vs {len(req.prompt_token_ids)} tokens); token-exact "
                               "regeneration needs the ids as sent")
         return {"id": req.id, "output_token_ids": ids, "finish_reason": finish, "seconds": time.perf_counter() - t0}
+
+
+async def detect_server(session: aiohttp.ClientSession, url: str, api: str = "auto", *, retries: int = 5,
+                        backoff_s: float = 1.0, hint: str = "the URL") -> ServerInfo:
+    """Which engine answers at ``url``: SGLang when ``/model_info`` (or the older ``/get_model_info``) names a
+    ``model_path``, else vLLM when ``/v1/models`` lists a model (vLLM has no ``/model_info``). ``api`` other
+    than "auto" restricts the check to that engine; ServerError when neither answers as asked. Shared by
+    regeneration (``core.engines.server``) and the serving benchmark (``eval.serving``)."""
+    info: ServerInfo | None = None
+    if api in ("auto", "sglang"):
+        for path in ("/model_info", "/get_model_info"):
+            status, body = await get_json(session, url, path, retries=retries, backoff_s=backoff_s, hint=hint)
+            if status == 200 and isinstance(body, dict) and "model_path" in body:
+                _, server = await get_json(session, url, "/server_info", retries=retries, backoff_s=backoff_s,
+                                           hint=hint)
+                version = server.get("version") if isinstance(server, dict) else None
+                info = ServerInfo("sglang", body.get("model_path"), version)
+                break
+    if info is None and api in ("auto", "vllm"):
+        status, models = await get_json(session, url, "/v1/models", retries=retries, backoff_s=backoff_s, hint=hint)
+        _, version = await get_json(session, url, "/version", retries=retries, backoff_s=backoff_s, hint=hint)
+        if status == 200 and isinstance(models, dict) and models.get("data"):
+            info = ServerInfo("vllm", str(models["data"][0].get("id")),
+                              version.get("version") if isinstance(version, dict) else None)
+    if info is None:
+        raise ServerError(f"{url} answers, but not as an SGLang server (/model_info) or a vLLM server "
+                          f"(/v1/models){' when asked for ' + api if api != 'auto' else ''}")
+    log.info("server %s: %s %s serving %s", url, info.api, info.version or "", info.model)
+    return info
+
+
+async def get_json(session: aiohttp.ClientSession, url: str, path: str, *, retries: int = 5, backoff_s: float = 1.0,
+                   hint: str = "the URL", timeout_s: float = 30.0) -> tuple[int, Any]:
+    """(status, JSON or None) of ``GET url+path``; connection problems and 429/5xx retried with backoff, then a
+    ServerError naming the URL (``hint``: the option that names it)."""
+    last: Exception | None = None
+    for attempt in range(retries + 1):
+        try:
+            async with session.get(url + path, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                try:
+                    body = await resp.json(content_type=None)
+                except ValueError:
+                    body = None
+                if resp.status in RETRYABLE_STATUS and attempt < retries:
+                    last = ServerError(f"HTTP {resp.status}")
+                else:
+                    return resp.status, body
+        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
+            last = e
+        if attempt < retries:
+            await asyncio.sleep(_backoff(backoff_s, attempt))
+    raise ServerError(f"cannot reach the server at {url} ({type(last).__name__}: {last}) after "
+                      f"{retries + 1} tries: start it (SGLang: python -m sglang.launch_server --model-path "
+                      f"TARGET; vLLM: vllm serve TARGET) or fix {hint}")
 
 
 def _backoff(first: float, attempt: int) -> float:

