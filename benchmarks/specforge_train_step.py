@@ -12,7 +12,9 @@ the drafter (``LlamaForCausalLMEagle3``, sdpa attention backend), the TTT unroll
 Triton loss kernel cannot run on a CPU, so it is replaced by SpecForge's own eager reference loss
 (``specforge.core.loss._compute_loss``), as the peer tool does; torch.compile is off.
 
-One step = ``forward_loss`` + ``backward`` + gradient clipping (0.5) + AdamW, as redraft's step.
+One step = ``forward_loss`` + ``backward`` + SpecForge's own optimizer step (``BF16Optimizer``, what
+its trainer always builds: gradient norm and clipping at 0.5, AdamW over fp32 master copies, the
+copy back), as redraft's step is forward + backward + clipping + AdamW.
 CASE (written by benchmarks/train_sidebyside.py) holds ``specforge-ckpt/`` (config.json +
 model.safetensors) and ``inputs.safetensors`` (ids, fp32 aux features, embedding, masks and the
 teacher as top-k ids/log-probs). The teacher reaches SpecForge as full-vocabulary logits (what
@@ -76,15 +78,14 @@ def main(argv: list[str] | None = None) -> int:
     batch = sf.TrainBatch(sample_ids=[f"s{i}" for i in range(bsz)], strategy="eagle3",
                           tensors={k: v for k, v in feats.items() if v is not None},
                           metadata={"target_repr": target_repr} if target_repr else {})
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=a.lr)
+    from specforge.optimizer import BF16Optimizer
+
+    optimizer = BF16Optimizer(model, lr=a.lr, max_grad_norm=a.max_grad_norm, total_steps=1000)
 
     def step() -> float:
         out = strategy.forward_loss(batch)
         out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, a.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.step()  # clips, steps AdamW on the fp32 masters, copies back, clears the gradients
         return float(out.loss)
 
     rss_before = _status_kb("VmRSS") * 1024

@@ -159,14 +159,20 @@ def run_watched(cmd: list[str], env: dict[str, str], mem_limit: int | None) -> d
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env=env, cwd=ROOT)
         seen = 0
-        while proc.poll() is None:
-            rss = _proc_rss(proc.pid)
-            seen = max(seen, rss)
-            if mem_limit is not None and rss > mem_limit:
+        try:
+            while proc.poll() is None:
+                rss = _proc_rss(proc.pid)
+                seen = max(seen, rss)
+                if mem_limit is not None and rss > mem_limit:
+                    proc.kill()
+                    proc.wait()
+                    return {"killed": True, "rss_seen": seen, "mem_limit": mem_limit,
+                            "wall_s": time.perf_counter() - t0}
+                time.sleep(0.2)
+        finally:
+            if proc.poll() is None:  # interrupted: do not leave the side running
                 proc.kill()
                 proc.wait()
-                return {"killed": True, "rss_seen": seen, "mem_limit": mem_limit, "wall_s": time.perf_counter() - t0}
-            time.sleep(0.2)
         out.seek(0)
         err.seek(0)
         text, errors = out.read(), err.read()

@@ -1,6 +1,7 @@
 """Training throughput: tokens/s, achieved FLOP/s and peak memory next to the machine's matmul peak.
 
-A benchmark, not a test. For each drafter shape (the demo config and a larger one) it reports
+A benchmark, not a test. For each drafter shape (the demo config, a larger one, a Llama-3.2-1B-like
+one) it reports
 
   * in-process (1 process, --threads threads): one optimizer step exactly as train/main.py runs
     it (teacher_from_topk densification, TTTModel forward over K TTT steps, backward, gradient
@@ -11,19 +12,30 @@ A benchmark, not a test. For each drafter shape (the demo config and a larger on
     DeepSpeed ZeRO-2 processes over gloo (`accelerate launch --config_file
     configs/accelerate/cpu-2proc-zero2.yaml`, 1 thread each), tokens/s read from the run's own
     metrics.jsonl (log_every 1, first step dropped as warm-up, best step kept), against the
-    peak at that process/thread layout (2-process peak = 2 x the 1-thread matmul peak).
+    peak at that process/thread layout (2-process peak = 2 x the 1-thread matmul peak);
+  * side by side (--specforge and/or --code, benchmarks/train_sidebyside.py): redraft's step next
+    to SpecForge 0.2.0's (benchmarks/specforge_train_step.py, run in SpecForge's own venv) and/or
+    another checkout's, on the same weights and inputs, each side in its own process, alternating
+    rounds: median step time with the min-max of the repeats, VmHWM over the steps, and a memory
+    limit past which a side counts as not fitting.
 
 FLOPs counted (analytic, matmuls only, per token; norms, RoPE, softmax, SiLU, the loss and the
 optimizer count as 0): forward = fc (2 * 3Ht * H, once) + per TTT step k: q/k/v (2 * 2H * (nh +
 2 nkv) * hd), o (2 * nh * hd * H), MLP (3 * 2 * H * I), lm_head (2 * H * Vd), attention scores
 and values over the keys a query may see, causal step-0 keys plus k diagonal keys (4 * nh * hd *
-((T + 1) / 2 + k)); backward = 2 x forward, except fc whose input needs no gradient (1 x). The
-eager attention actually multiplies the full [T, T] block, so the causal count is the *useful*
-work. Peak memory is ru_maxrss of a worker process per shape (and its growth over the RSS
-before the first step); the train/main.py rows report the largest rank's ru_maxrss.
+((T + 1) / 2 + k)); backward = 2 x forward, except fc whose input needs no gradient (1 x). This is
+the *useful* work, the same count for every side: the eager attention also multiplies the masked
+part of its diagonal blocks (and recomputes the scores in the backward), SpecForge's the whole
+[T, T] block; redraft's lm_head skips positions that predict no assistant token. Peak memory is
+ru_maxrss of a worker process per shape (and its growth over the RSS before the first step); the
+train/main.py rows report the largest rank's ru_maxrss.
 
     python benchmarks/train_throughput.py --json bench-train.json          # everything (4-8 min on a busy 2-core box)
     python benchmarks/train_throughput.py --skip-main --profile prof.txt   # in-process + profile only
+    python benchmarks/train_throughput.py --shapes demo,1b --seqs 512,2048 --threads 1 \
+        --specforge ~/.cache/redraft/conformance/specforge/bin/python --json bench-vs-specforge.json
+    git archive BASE | tar -x -C /tmp/base && python benchmarks/train_throughput.py --shapes 1b \
+        --seqs 512,2048,4096 --threads 1 --code /tmp/base --json bench-before-after.json
 """
 
 from __future__ import annotations

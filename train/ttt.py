@@ -30,7 +30,8 @@ Masking and normalisation (a DELIBERATE difference from SpecForge, which weights
   teacher probability NOT renormalised (an estimate of the per-token acceptance rate).
 
 Efficiency: positions are batched (only the K steps loop in Python) and step k's attention is
-the causal [T, T] block plus k diagonal columns. The draft lm_head, the soft-CE and the metrics
+the causal [T, T] block plus k diagonal columns, in blocks of query rows that keep no [T, T]
+scores for the backward (core.drafter.ttt_attention). The draft lm_head, the soft-CE and the metrics
 run in train.head_loss over all steps at once, in chunks of counted rows, with the gradients made
 in the forward (the loss weights are known there): no step's [B, T, Vd] logits or softmax is kept
 for the backward, and positions that predict no assistant token get no logits. Metrics stay on
