@@ -453,9 +453,9 @@ def side_by_side(a: argparse.Namespace, shapes: list[Shape]) -> None:
 
 
 def print_side_table(cases: list[dict[str, Any]], peaks: list[float], a: argparse.Namespace) -> None:
-    """One row per side: step time (median, min-max), achieved FLOP/s, peak memory; ratios against redraft."""
+    """One row per side: wall and CPU step time (median, min-max), FLOP/s, peak memory; ratios against redraft."""
     peak = max(peaks)
-    head = (f"{'shape':<5} {'T':>5} {'side':<22} {'step s (min-max)':>22} {'x redraft':>10} {'GFLOP/s':>8} "
+    head = (f"{'shape':<5} {'T':>5} {'side':<22} {'wall s (min-max)':>20} {'x':>6} {'CPU s (min-max)':>20} {'x':>6} "
             f"{'of peak':>7} {'peak GB':>8} {'redraft/this':>12} {'set-up GB':>9} {'loss@1':>9}")
     print(head)
     print("-" * len(head))
@@ -466,24 +466,30 @@ def print_side_table(cases: list[dict[str, Any]], peaks: list[float], a: argpars
         tokens = s["batch"] * s["seq"]
         for side in c["sides"]:
             if not side["fits"]:
-                print(f"{s['name']:<5} {s['seq']:>5} {side['name']:<22} {'did not fit':>22} {'':>10} {'':>8} {'':>7} "
-                      f"{'>' + format(side['mem_limit'] / gb, '.0f'):>8}")
+                print(f"{s['name']:<5} {s['seq']:>5} {side['name']:<22} {'did not fit: RSS passed':>48} "
+                      f"{side['mem_limit'] / gb:.0f} GB (seen {side['rss_seen'] / gb:.1f})")
                 continue
-            rng = f"{side['step_s_median']:.2f} ({side['step_s_min']:.2f}-{side['step_s_max']:.2f})"
-            flops = c["flops_per_token"]["total"] * tokens / side["step_s_median"]
-            slower = mem = ""
+            cpu = [t for r in side["runs"] if not r.get("killed") for t in r["cpu_times"]]
+            wall = f"{side['step_s_median']:.2f} ({side['step_s_min']:.2f}-{side['step_s_max']:.2f})"
+            cpus = f"{side['cpu_s_median']:.2f} ({min(cpu):.2f}-{max(cpu):.2f})"
+            busy = side["cpu_s_median"] / a.threads  # the step's time on otherwise idle cores
+            flops = c["flops_per_token"]["total"] * tokens / busy
+            x_wall = x_cpu = mem = ""
             if side is not ours and ours["fits"]:
-                slower = f"{side['step_s_median'] / ours['step_s_median']:.2f}x"
+                x_wall = f"{side['step_s_median'] / ours['step_s_median']:.2f}"
+                x_cpu = f"{side['cpu_s_median'] / ours['cpu_s_median']:.2f}"
                 mem = f"{ours['step_peak'] / side['step_peak']:.2f}"
-            print(f"{s['name']:<5} {s['seq']:>5} {side['name']:<22} {rng:>22} {slower:>10} {flops / 1e9:>8.1f} "
+            print(f"{s['name']:<5} {s['seq']:>5} {side['name']:<22} {wall:>20} {x_wall:>6} {cpus:>20} {x_cpu:>6} "
                   f"{flops / peak:>7.1%} {side['step_peak'] / gb:>8.2f} {mem:>12} {side['rss_before'] / gb:>9.2f} "
                   f"{side['first_loss']:>9.4f}")
     loads = [x for c in cases for x in c["load_1min"]]
     print(f"threads {a.threads}; {a.rounds} alternating rounds x ({a.warmup} warm-up + {a.side_repeats} timed) steps "
-          f"per side; matmul peak (fp32 2048^3, best of {len(peaks)}): {peak / 1e9:.1f} GFLOP/s; "
-          f"1-min load average {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} CPUs")
-    print("peak GB: VmHWM over the timed process's steps (after its set-up); set-up GB: VmRSS before the first step; "
-          "x redraft: median step time / redraft's; redraft/this: redraft's peak / this side's")
+          f"per side; matmul peak (fp32 2048^3, {a.threads} thread(s), best of {len(peaks)}): {peak / 1e9:.1f} "
+          f"GFLOP/s; 1-min load average {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} CPUs")
+    print("x: this side's median / redraft's. CPU s: the step's process time (with 1 thread, its time on a core of "
+          "its own); of peak: useful FLOPs / (CPU s / threads) / matmul peak. peak GB: VmHWM over the process's "
+          "steps (after its set-up); set-up GB: VmRSS before the first step; redraft/this: redraft's peak / this "
+          "side's; loss@1: the first step's loss (SpecForge's has its own masking and normalisation)")
 
 
 def main() -> None:

@@ -118,9 +118,10 @@ class _TTTAttention(torch.autograd.Function):
     and K = 7. Here the queries run in blocks of rows; a block of rows [a, e) is scored only
     against the keys it may see (0..e-1: the causal upper triangle beyond the block is never
     computed), masked in place and passed through one ``torch.softmax`` (whose vectorised exp is
-    several times faster than ``exp_`` on CPU). Only the step-0 logsumexp per row is kept; the
-    backward recomputes each block's probabilities from it (one more q.k matmul per block, less
-    work than the full [T, T] block of both passes saved). The diagonal keys join through the
+    several times faster than ``exp_`` on CPU, and not slowed by the masked entries). Nothing of
+    the block is kept: the backward recomputes each block's probabilities the same way (one more
+    q.k matmul and softmax per block, less work than the full [T, T] block of both passes). The
+    diagonal keys join through the
     block's logsumexp (read off the softmax at its maximum), which rescales only [T, hd]-sized
     tensors. The backward uses FlashAttention's identity rowsum(P * dP) = rowsum(dO * O). The
     score math runs in fp32 or wider (as the reference softmax did); the matmuls run in q's dtype.
@@ -164,22 +165,22 @@ class _TTTAttention(torch.autograd.Function):
         ctx.block_rows = block_rows
         ctx.dead = dead if n_diag == 0 else None  # with diagonal keys no row is empty
         ctx.bias = bias
-        ctx.save_for_backward(qs, lse0, out, *(() if w0 is None else (w0, pd)), *kv)
+        ctx.save_for_backward(qs, out, *(() if w0 is None else (w0, pd)), *kv)
         return out
 
     @staticmethod
     def backward(ctx, dout):  # type: ignore[override]
         n_diag = ctx.n_diag
         saved = ctx.saved_tensors
-        qs, lse0, out = saved[:3]
+        qs, out = saved[:2]
         w0 = pd = None
         if n_diag:
-            w0, pd = saved[3:5]
-        kv = saved[5:] if n_diag else saved[3:]
+            w0, pd = saved[2:4]
+        kv = saved[4:] if n_diag else saved[2:]
         keys, values = kv[: n_diag + 1], kv[n_diag + 1:]
         bias, dead = ctx.bias, ctx.dead
         bsz, nkv, groups, seq, hd = qs.shape
-        dt, acc = qs.dtype, lse0.dtype
+        dt, acc = qs.dtype, bias.dtype
         dout = dout.to(dt)
         rowdot = (dout.to(acc) * out.to(acc)).sum(-1, keepdim=True)  # [.., T, 1] = rowsum(P * dP), all keys
         # step-0 block: P0 = w0 * p0, so scale dO (small) instead of the score block
@@ -194,7 +195,9 @@ class _TTTAttention(torch.autograd.Function):
             n = e - a
             q3 = qs[..., a:e, :].reshape(bsz * nkv, groups * n, hd)
             s0 = torch.bmm(q3, k0[:, :e].transpose(1, 2)).view(bsz, nkv, groups, n, e).to(acc)
-            p0 = s0.add_(bias[..., a:e, :e]).sub_(lse0[..., a:e, None]).exp_()
+            # the forward's softmax again (not exp(s - lse): exp of the masked entries is slow on CPU)
+            p0 = torch.softmax(s0.add_(bias[..., a:e, :e]), dim=-1)
+            del s0
             p3 = p0.view(bsz * nkv, groups * n, e)
             do3 = do0[..., a:e, :].reshape(bsz * nkv, groups * n, hd)
             dv0[:, :e] += torch.bmm(p3.to(dt).transpose(1, 2), do3)  # summed over the groups
