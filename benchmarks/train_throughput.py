@@ -413,8 +413,11 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
 def side_by_side(a: argparse.Namespace, shapes: list[Shape]) -> None:
     """--specforge / --code: alternating rounds per shape and sequence length; a table and --json."""
+    import signal
+
     import train_sidebyside
 
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so that the running side is stopped too
     if a.specforge and not (a.shared_tools / "specforge_reference.py").is_file():
         raise SystemExit(f"--shared-tools {a.shared_tools}: no specforge_reference.py there")
     if a.code and not (a.code / "train" / "ttt.py").is_file():

@@ -23,7 +23,9 @@ STEPS = 4
 DECAY = 0.8
 
 
-def make_case(seed: int = 0, vocab: int = 96, draft: int = 40, lengths=(20, 13)):
+def make_case(seed: int = 0, vocab: int = 96, draft: int = 40, lengths=(20, 13), turns: bool = False):
+    """A batch; ``turns``: the loss mask in runs (a 2-token prompt, answer, one more prompt token at 9, answer)
+    instead of scattered."""
     d = tiny_drafter(seed=seed, vocab_size=vocab, draft_vocab_size=draft)
     g = torch.Generator().manual_seed(seed + 100)
     bsz, seq = len(lengths), max(lengths)
@@ -33,9 +35,22 @@ def make_case(seed: int = 0, vocab: int = 96, draft: int = 40, lengths=(20, 13))
     for b, n in enumerate(lengths):
         real[b, :n] = 1
     loss_mask = (torch.rand(bsz, seq, generator=g) < 0.6).long() * real
+    if turns:
+        loss_mask = real.clone()
+        loss_mask[:, :2] = 0
+        loss_mask[:, 9] = 0
     full = torch.randn(bsz, seq, vocab, generator=g) * 3
+    # the teacher's argmax is the drafter's own step-0 prediction (so every row, counted or not, is a hit
+    # at step 0: a metric that counts a row it should not shows), except some outside the draft vocab
+    # (counted, not in the loss)
+    uniform = TeacherTargets(torch.full((bsz, seq, draft), 1.0 / draft), torch.zeros(bsz, seq, dtype=torch.long))
+    with torch.no_grad():
+        probe = ttt_forward(d, input_ids=ids, aux_hidden=aux, attention_mask=real, loss_mask=real, teacher=uniform,
+                            steps=1, return_logits=True)
+    pred = probe.logits[0].argmax(-1)
+    full[:, 1:].scatter_(-1, d.draft_to_target(pred[:, :-1])[..., None], 30.0)
     outside = torch.nonzero(~d.t2d).squeeze(-1)
-    full[:, ::4, outside[0]] = 40.0  # some teacher argmaxes outside the draft vocab: counted, not in the loss
+    full[:, 2::4, outside[0]] = 40.0
     teacher = TeacherTargets(target_p=torch.softmax(full[..., d.t2d], -1), target_ids=full.argmax(-1),
                              p_on_draft=torch.softmax(full, -1)[..., d.t2d])
     return d, dict(input_ids=ids, aux_hidden=aux, attention_mask=real, loss_mask=loss_mask, teacher=teacher)
@@ -80,9 +95,12 @@ def grads(d) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("chunk_rows", [1, 7, None])  # one row per chunk, 7 rows, the default (one chunk here)
-def test_fp32_loss_metrics_and_gradients_equal_plain_autograd(chunk_rows):
-    d, case = make_case(seed=1)
+@pytest.mark.parametrize(("chunk_rows", "turns"), [(1, False), (7, False), (None, False), (7, True), (16, True),
+                                                   (None, True)])
+def test_fp32_loss_metrics_and_gradients_equal_plain_autograd(chunk_rows, turns):
+    """Windows of 1 row (each a slice), of 7 (gathered rows), of 16 with runs of counted rows (slices that
+    hold uncounted rows, and gathered rows), the default (one window)."""
+    d, case = make_case(seed=1, turns=turns)
     ref, ref_loss, ref_correct, ref_accept = plain_autograd_loss(d, **case, steps=STEPS, decay=DECAY)
     ref.backward()
     want = grads(d)

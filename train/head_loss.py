@@ -2,17 +2,20 @@
 
 Why: the plain autograd path keeps each step's [B, T, Vd] softmax (or logits) for the backward, K
 of them at once: at T = 4096, a 32k draft vocab and K = 7 that is 3.7 GB before anything else.
-Here the head runs over the counted positions in chunks of rows, and each chunk's gradients are
+Here the head runs over the counted positions in windows of rows, and each window's gradients are
 computed right away, in the forward, because the loss weights are known there: step k's loss is
 ``sum over its loss rows of soft-CE / n_k`` and the total is ``sum_k decay^k loss_k``, so
 d total / d logits of a row is ``decay^k / n_k * (q * sum(p) - p)`` (0 for rows outside the loss).
-Only d normed-hidden [N_k, H] per step and d lm_head [Vd, H] (the size of the weight's own
+Only d normed-hidden [B, T, H] per step and d lm_head [Vd, H] (the size of the weight's own
 gradient) wait for the backward, which scales them by the incoming gradient (a scalar; the loss
 is linear in it). The matmuls are the same three per row as autograd's (logits, d hidden,
 d weight): nothing is recomputed.
 
-Rows whose predicted token is not a counted assistant token get no logits at all (their loss
-weight and metrics are zero), so prompt tokens cost no lm_head work.
+Rows whose predicted token is not a counted assistant token have loss weight and metrics zero.
+The rows are cut into windows of ``chunk_rows`` consecutive rows; a window whose rows mostly
+count (DENSE_FRACTION) is computed as a slice of the hidden and teacher tensors (no copies), a
+window with fewer counted rows gathers only those (so prompts cost no lm_head work), a window
+with none is skipped. One host sync per call plans the windows.
 
 Precision follows the plain ``lm_head(x)`` call it replaces: the matmuls run in the weight's dtype,
 or in autocast's dtype when autocast is on (its weight cast made once per call); softmax, the loss
@@ -29,6 +32,10 @@ import torch
 # temporary (logits, softmax, teacher rows) is then ~64 MB whatever the draft vocab.
 CHUNK_ELEMENTS = 1 << 24
 MIN_CHUNK_ROWS = 64
+# A window is computed whole (a slice) when at least this share of its rows count, else its counted
+# rows are gathered: gathering a row's teacher (two [Vd] rows) costs about what the lm_head work of
+# an eighth of a row does at the hidden sizes in use.
+DENSE_FRACTION = 7 / 8
 
 
 def default_chunk_rows(draft_vocab: int) -> int:
@@ -60,18 +67,6 @@ class HeadTargets:
 
 
 @dataclass
-class HeadRows:
-    """One TTT step's rows: flat indices into B*T of the hidden rows that count, their teacher rows,
-    which of them are in the loss (teacher argmax in the draft vocab), and how loss_k is weighted."""
-
-    hidden_rows: torch.Tensor  # [N] int64
-    teacher_rows: torch.Tensor  # [N] int64
-    in_loss: torch.Tensor  # [N] bool
-    count: torch.Tensor  # [] fp32: max(loss rows, 1), loss_k's denominator
-    decay: float  # decay^k, loss_k's weight in the total
-
-
-@dataclass
 class HeadLossOutput:
     loss: torch.Tensor  # [] fp32, sum_k decay^k * loss_k (carries the gradient)
     step_loss: torch.Tensor  # [K] fp32 detached: loss_k
@@ -91,12 +86,11 @@ class _HeadLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, weight, plan, *normed):  # type: ignore[override]
-        cdt = plan["dtype"]
         with torch.autocast(weight.device.type, enabled=False):
-            total, stats, grads = _run(weight, normed, plan, cdt)
-        ctx.grads = grads  # (d weight fp32, [(rows, d rows)] per step) or None
+            total, stats, grads = _run(weight, normed, plan)
+        ctx.grads = grads  # (d weight fp32, d normed per step) or None
         ctx.weight_dtype = weight.dtype
-        ctx.normed_meta = [(x.shape, x.dtype) for x in normed]
+        ctx.shapes = [x.shape for x in normed]
         ctx.mark_non_differentiable(*stats)
         return (total, *stats)
 
@@ -107,99 +101,132 @@ class _HeadLoss(torch.autograd.Function):
             raise RuntimeError("head loss: no gradients were prepared (forward ran without grad, or backward "
                                "ran twice; retain_graph is not supported)")
         ctx.grads = None
-        d_weight, d_rows = grads
+        d_weight, d_normed = grads
         g = grad.to(torch.float32)
-        out_w = d_weight.mul_(g).to(ctx.weight_dtype)
-        out_h = []
-        for (shape, dtype), (rows, dr) in zip(ctx.normed_meta, d_rows, strict=True):
-            flat = torch.zeros((shape[:-1].numel(), shape[-1]), dtype=dtype, device=dr.device)
-            if rows.numel():
-                flat.index_copy_(0, rows, dr.mul_(g.to(dr.dtype)))
-            out_h.append(flat.view(shape))
-        return (out_w, None, *out_h)
+        out_h = [dh.mul_(g.to(dh.dtype)).view(shape) for dh, shape in zip(d_normed, ctx.shapes, strict=True)]
+        return (d_weight.mul_(g).to(ctx.weight_dtype), None, *out_h)
 
 
-def _run(weight, normed, plan, cdt):
-    """The forward: per step, per chunk of rows, logits -> soft-CE, metrics and (when needed) gradients."""
+def _plan(counted: torch.Tensor, chunk: int) -> list[list[tuple[int, int] | torch.Tensor]]:
+    """Per step, its windows: (start, stop) of a slice computed whole, or the counted rows to gather."""
+    steps, n = counted.shape
+    n_win = -(-n // chunk)
+    per_win = torch.nn.functional.pad(counted, (0, n_win * chunk - n)).view(steps, n_win, chunk).sum(-1)
+    flat = torch.nonzero(counted)[:, 1]  # counted rows, ascending within each step, steps in order
+    plans, offset = [], 0
+    for k, counts in enumerate(per_win.tolist()):  # the host sync
+        wins: list[tuple[int, int] | torch.Tensor] = []
+        for w, c in enumerate(counts):
+            if c == 0:
+                continue
+            a, b = w * chunk, min((w + 1) * chunk, n - 1 - k)  # teacher row r + 1 + k must exist
+            wins.append((a, b) if c >= DENSE_FRACTION * (b - a) else flat[offset : offset + c])
+            offset += c
+        plans.append(wins)
+    return plans
+
+
+def _run(weight, normed, plan):
+    """The forward: per step, per window of rows, logits -> soft-CE, metrics and (when needed) gradients."""
     targets: HeadTargets = plan["targets"]
-    steps: list[HeadRows] = plan["steps"]
+    counted, in_loss = plan["counted"], plan["in_loss"]
     need_grad: bool = plan["need_grad"]
+    cdt = plan["dtype"]
     vd, hid = weight.shape
     dev = weight.device
-    w_c = weight.to(cdt)
-    chunk = plan["chunk_rows"]
-    d_weight = torch.zeros((vd, hid), dtype=torch.float32, device=dev) if need_grad else None
-    d_rows = []
     f32 = torch.float32
+    w_c = weight.to(cdt)
+    d_weight = torch.zeros((vd, hid), dtype=f32, device=dev) if need_grad else None
+    d_normed = []
     total = torch.zeros((), dtype=f32, device=dev)
     losses, corrects, accepts = [], [], []
-    for x, st in zip(normed, steps, strict=True):
-        flat = x.reshape(-1, x.shape[-1])
-        n = st.hidden_rows.numel()
+    for k, (x, windows) in enumerate(zip(normed, _plan(counted, plan["chunk_rows"]), strict=True)):
+        flat = x.reshape(-1, hid)
+        shift = 1 + k  # teacher row of hidden row r
         loss_sum = torch.zeros((), dtype=f32, device=dev)
         correct = torch.zeros((), dtype=f32, device=dev)
         accept = torch.zeros((), dtype=f32, device=dev)
-        dr = torch.empty((n, hid), dtype=x.dtype, device=dev) if need_grad else None
-        for a in range(0, n, chunk):
-            hr = st.hidden_rows[a : a + chunk]
-            tr = st.teacher_rows[a : a + chunk]
-            in_loss = st.in_loss[a : a + chunk]
-            h = flat.index_select(0, hr).to(cdt)
+        dh = torch.zeros_like(flat) if need_grad else None
+        for win in windows:
+            if isinstance(win, tuple):  # a slice: views, the uncounted rows masked
+                a, b = win
+                h = flat[a:b]
+                t0, t1 = a + shift, b + shift
+                p, pm, tid = targets.target_p[t0:t1], targets.p_mass[t0:t1], targets.target_ids[t0:t1]
+                pod = None if targets.p_on_draft is None else targets.p_on_draft[t0:t1]
+                counts, lw = counted[k, a:b], in_loss[k, a:b].to(f32)
+            else:  # the counted rows, gathered
+                rows, trows = win, win + shift
+                h = flat.index_select(0, rows)
+                p, pm = targets.target_p.index_select(0, trows), targets.p_mass.index_select(0, trows)
+                tid = targets.target_ids.index_select(0, trows)
+                pod = None if targets.p_on_draft is None else targets.p_on_draft.index_select(0, trows)
+                counts, lw = None, in_loss[k].index_select(0, rows).to(f32)
+            h = h.to(cdt)
             logits = torch.mm(h, w_c.t()).to(f32)
-            p = targets.target_p.index_select(0, tr)
-            pm = targets.p_mass.index_select(0, tr)
             ce, q, pred, _ = soft_ce_rows(logits, p, pm)
             del logits
-            lw = in_loss.to(f32)
             loss_sum = loss_sum + (ce * lw).sum()
-            hit = (pred + targets.d2t[pred]) == targets.target_ids.index_select(0, tr)
-            correct = correct + hit.sum()
-            if targets.p_on_draft is not None:
-                pod = targets.p_on_draft.index_select(0, tr).to(f32)
-                accept = accept + (torch.minimum(pod, q).sum(-1) * lw).sum()
-                del pod
+            hit = (pred + targets.d2t[pred]) == tid
+            correct = correct + (hit if counts is None else hit & counts).sum()
+            if pod is not None:
+                accept = accept + (torch.minimum(pod.to(f32), q).sum(-1) * lw).sum()
+            del pod
             if need_grad:
                 # d total / d logits = w * (q * sum(p) - p), w = decay^k / n_k on loss rows, else 0 (in place on q)
-                w = lw * (st.decay / st.count)
+                w = lw * (plan["decays"][k] / plan["denominators"][k])
                 q.mul_((w * pm)[:, None]).addcmul_(p.to(f32), w[:, None], value=-1.0)
                 dl = q.to(cdt)
                 del q, p
-                dr[a : a + hr.numel()] = torch.mm(dl, w_c).to(x.dtype)
+                dx = torch.mm(dl, w_c).to(dh.dtype)
+                if isinstance(win, tuple):
+                    dh[win[0] : win[1]] = dx
+                else:
+                    dh.index_copy_(0, win, dx)
                 if cdt == f32:
                     d_weight.addmm_(dl.t(), h)
                 else:
                     d_weight += torch.mm(dl.t(), h).to(f32)
-                del dl
-        loss_k = loss_sum / st.count
-        total = total + st.decay * loss_k
+                del dl, dx
+        loss_k = loss_sum / plan["denominators"][k]
+        total = total + plan["decays"][k] * loss_k
         losses.append(loss_k)
         corrects.append(correct)
         accepts.append(accept)
         if need_grad:
-            d_rows.append((st.hidden_rows, dr))
+            d_normed.append(dh)
     stats = (torch.stack(losses), torch.stack(corrects), torch.stack(accepts))
-    return total, stats, ((d_weight, d_rows) if need_grad else None)
+    return total, stats, ((d_weight, d_normed) if need_grad else None)
 
 
 def head_loss(
     weight: torch.Tensor,
     normed: list[torch.Tensor],
-    steps: list[HeadRows],
+    counted: torch.Tensor,
+    in_loss: torch.Tensor,
     targets: HeadTargets,
+    decay: float,
     chunk_rows: int | None = None,
 ) -> HeadLossOutput:
-    """Loss and metrics of ``logits_k = normed[k] @ weight.T`` over each step's rows.
+    """Loss and metrics of ``logits_k = normed[k] @ weight.T`` for TTT steps k = 0..K-1.
 
-    ``normed[k]`` [B, T, H] is step k's normed hidden state (``steps[k].hidden_rows`` index its
-    flattened rows); the gradient reaches ``weight`` and every ``normed[k]`` that requires one.
-    ``chunk_rows``: rows whose logits exist at once (default: default_chunk_rows(Vd)).
+    ``normed[k]`` [B, T, H] is step k's normed hidden state; hidden row r (flat over B*T) is scored
+    against teacher row r + 1 + k. ``counted`` [K, B*T] bool: the rows in step k's metrics;
+    ``in_loss`` [K, B*T] bool: those also in its loss (a subset). loss_k = sum of soft-CE over the
+    loss rows / max(their number, 1); the total is sum_k decay^k loss_k. The gradient reaches
+    ``weight`` and every ``normed[k]`` that requires one. ``chunk_rows``: rows whose logits exist
+    at once (default: default_chunk_rows(Vd)).
     """
-    if len(normed) != len(steps):
-        raise ValueError(f"head_loss: {len(normed)} hidden states but {len(steps)} row sets")
+    steps = len(normed)
+    if tuple(counted.shape) != (steps, targets.target_ids.numel()) or in_loss.shape != counted.shape:
+        raise ValueError(f"head_loss: {steps} hidden states, counted {tuple(counted.shape)}, in_loss "
+                         f"{tuple(in_loss.shape)}, {targets.target_ids.numel()} teacher rows")
     if chunk_rows is not None and chunk_rows < 1:
         raise ValueError(f"head_loss: chunk_rows must be >= 1, got {chunk_rows}")
     need_grad = torch.is_grad_enabled() and (weight.requires_grad or any(x.requires_grad for x in normed))
-    plan = {"targets": targets, "steps": steps, "need_grad": need_grad, "dtype": _compute_dtype(weight),
-            "chunk_rows": chunk_rows or default_chunk_rows(weight.shape[0])}
+    plan = {"targets": targets, "counted": counted, "in_loss": in_loss, "need_grad": need_grad,
+            "dtype": _compute_dtype(weight), "chunk_rows": chunk_rows or default_chunk_rows(weight.shape[0]),
+            "decays": [decay**k for k in range(steps)],
+            "denominators": in_loss.sum(1).to(torch.float32).clamp(min=1)}
     total, step_loss, correct, accept = _HeadLoss.apply(weight, plan, *normed)
     return HeadLossOutput(loss=total, step_loss=step_loss, step_correct=correct, step_accept_sum=accept)

@@ -35,7 +35,7 @@ scores for the backward (core.drafter.ttt_attention). The draft lm_head, the sof
 run in train.head_loss over all steps at once, in chunks of counted rows, with the gradients made
 in the forward (the loss weights are known there): no step's [B, T, Vd] logits or softmax is kept
 for the backward, and positions that predict no assistant token get no logits. Metrics stay on
-the device: one host sync per unroll (the number of counted rows per step).
+the device: one host sync per unroll (counted rows per window of the head).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from core.dataset.batch import Batch
 from core.drafter.modeling import Eagle3Drafter
 from core.drafter.ttt_attention import TTTCache
 from core.teacher_targets import TeacherTargets, teacher_from_last_hidden, teacher_from_topk
-from train.head_loss import HeadRows, HeadTargets, head_loss, soft_ce_rows
+from train.head_loss import HeadTargets, head_loss, soft_ce_rows
 
 
 @dataclass
@@ -180,17 +180,6 @@ def ttt_forward(
         in_loss[k, :, :span] = count[k, :, :span] & in_draft[:, 1 + k : 1 + k + span]
     n_loss = in_loss.sum((1, 2))  # [K]
     n_acc = count.sum((1, 2))  # [K]
-    step_of, flat = torch.nonzero(count.view(steps, -1), as_tuple=True)
-    flat_in_loss = in_loss.view(steps, -1)[step_of, flat]
-    per_step = torch.bincount(step_of, minlength=steps).tolist()  # the one host sync
-    denom = n_loss.to(torch.float32).clamp(min=1)
-    rows = []
-    start = 0
-    for k, n in enumerate(per_step):
-        sl = slice(start, start + n)
-        start += n
-        rows.append(HeadRows(hidden_rows=flat[sl], teacher_rows=flat[sl] + 1 + k, in_loss=flat_in_loss[sl],
-                             count=denom[k], decay=decay**k))
     vd = teacher.target_p.shape[-1]
     targets = HeadTargets(
         target_p=teacher.target_p.reshape(-1, vd),
@@ -199,13 +188,14 @@ def ttt_forward(
         p_on_draft=None if teacher.p_on_draft is None else teacher.p_on_draft.reshape(-1, vd),
         d2t=drafter.d2t,
     )
-    head = head_loss(drafter.lm_head.weight, normed, rows, targets, chunk_rows=head_chunk_rows)
+    head = head_loss(drafter.lm_head.weight, normed, count.view(steps, -1), in_loss.view(steps, -1), targets, decay,
+                     chunk_rows=head_chunk_rows)
     f32 = torch.float32
     return TTTOutput(
         loss=head.loss,
         step_loss=head.step_loss,
         step_acc=head.step_correct / n_acc.to(f32).clamp(min=1),
-        step_accept=head.step_accept_sum / denom,
+        step_accept=head.step_accept_sum / n_loss.to(f32).clamp(min=1),
         step_counts=n_loss.to(f32),
         step_correct=head.step_correct,
         step_accept_sum=head.step_accept_sum,

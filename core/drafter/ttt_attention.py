@@ -118,10 +118,12 @@ class _TTTAttention(torch.autograd.Function):
     and K = 7. Here the queries run in blocks of rows; a block of rows [a, e) is scored only
     against the keys it may see (0..e-1: the causal upper triangle beyond the block is never
     computed), masked in place and passed through one ``torch.softmax`` (whose vectorised exp is
-    several times faster than ``exp_`` on CPU, and not slowed by the masked entries). Nothing of
-    the block is kept: the backward recomputes each block's probabilities the same way (one more
-    q.k matmul and softmax per block, less work than the full [T, T] block of both passes). The
-    diagonal keys join through the
+    several times faster than ``exp_`` on CPU, and not slowed by the masked entries). With several
+    blocks nothing of them is kept: the backward recomputes each block's probabilities the same
+    way (one more q.k matmul and softmax per block, less work than the full [T, T] block of both
+    passes). A sequence that fits in one block (B * heads * T^2 <= EAGER_BLOCK_ELEMENTS) keeps its
+    probabilities instead (at most 64 MB per step): recomputing them would cost time for no gain
+    worth having. The diagonal keys join through the
     block's logsumexp (read off the softmax at its maximum), which rescales only [T, hd]-sized
     tensors. The backward uses FlashAttention's identity rowsum(P * dP) = rowsum(dO * O). The
     score math runs in fp32 or wider (as the reference softmax did); the matmuls run in q's dtype.
@@ -141,7 +143,9 @@ class _TTTAttention(torch.autograd.Function):
         v0 = values[0].reshape(bsz * nkv, seq, hd)
         out = q.new_empty((bsz, nkv, groups, seq, hd))
         lse0 = torch.empty((bsz, nkv, groups, seq), dtype=acc, device=q.device)
-        for a, e in _blocks(seq, block_rows):
+        blocks = _blocks(seq, block_rows)
+        kept = None
+        for a, e in blocks:
             n = e - a
             s0 = torch.bmm(qs[..., a:e, :].reshape(bsz * nkv, groups * n, hd), k0[:, :e].transpose(1, 2))
             s0 = s0.view(bsz, nkv, groups, n, e).to(acc).add_(bias[..., a:e, :e])
@@ -151,6 +155,8 @@ class _TTTAttention(torch.autograd.Function):
             lse0[..., a:e] = m0 - p0.amax(-1).log()  # p0's maximum is exp(m0 - lse0)
             out[..., a:e, :] = torch.bmm(p0.view(bsz * nkv, groups * n, e).to(dt), v0[:, :e]).view(
                 bsz, nkv, groups, n, hd)
+            if len(blocks) == 1:
+                kept = p0  # one block (at most EAGER_BLOCK_ELEMENTS): keep it rather than recompute it
             del p0
         w0 = pd = None
         if n_diag:
@@ -165,7 +171,8 @@ class _TTTAttention(torch.autograd.Function):
         ctx.block_rows = block_rows
         ctx.dead = dead if n_diag == 0 else None  # with diagonal keys no row is empty
         ctx.bias = bias
-        ctx.save_for_backward(qs, out, *(() if w0 is None else (w0, pd)), *kv)
+        ctx.kept = kept is not None
+        ctx.save_for_backward(qs, out, *(() if kept is None else (kept,)), *(() if w0 is None else (w0, pd)), *kv)
         return out
 
     @staticmethod
@@ -173,10 +180,12 @@ class _TTTAttention(torch.autograd.Function):
         n_diag = ctx.n_diag
         saved = ctx.saved_tensors
         qs, out = saved[:2]
+        kept = saved[2] if ctx.kept else None
+        saved = saved[3:] if ctx.kept else saved[2:]
         w0 = pd = None
         if n_diag:
-            w0, pd = saved[2:4]
-        kv = saved[4:] if n_diag else saved[2:]
+            w0, pd = saved[:2]
+        kv = saved[2:] if n_diag else saved
         keys, values = kv[: n_diag + 1], kv[n_diag + 1:]
         bias, dead = ctx.bias, ctx.dead
         bsz, nkv, groups, seq, hd = qs.shape
@@ -194,16 +203,19 @@ class _TTTAttention(torch.autograd.Function):
         for a, e in _blocks(seq, ctx.block_rows):
             n = e - a
             q3 = qs[..., a:e, :].reshape(bsz * nkv, groups * n, hd)
-            s0 = torch.bmm(q3, k0[:, :e].transpose(1, 2)).view(bsz, nkv, groups, n, e).to(acc)
-            # the forward's softmax again (not exp(s - lse): exp of the masked entries is slow on CPU)
-            p0 = torch.softmax(s0.add_(bias[..., a:e, :e]), dim=-1)
-            del s0
+            if kept is not None:
+                p0 = kept
+            else:  # the forward's softmax again (not exp(s - lse): exp of the masked entries is slow on CPU)
+                s0 = torch.bmm(q3, k0[:, :e].transpose(1, 2)).view(bsz, nkv, groups, n, e).to(acc)
+                p0 = torch.softmax(s0.add_(bias[..., a:e, :e]), dim=-1)
+                del s0
             p3 = p0.view(bsz * nkv, groups * n, e)
             do3 = do0[..., a:e, :].reshape(bsz * nkv, groups * n, hd)
             dv0[:, :e] += torch.bmm(p3.to(dt).transpose(1, 2), do3)  # summed over the groups
             dp = torch.bmm(do3, v0[:, :e].transpose(1, 2)).to(acc).view(bsz, nkv, groups, n, e)
             ds = dp.sub_(rd0[..., a:e, :]).mul_(p0)
             del p0, p3
+            kept = None
             if dead is not None:
                 ds.masked_fill_(dead[..., a:e, :], 0.0)
             ds3 = ds.view(bsz * nkv, groups * n, e).to(dt)
