@@ -141,26 +141,28 @@ class _TTTAttention(torch.autograd.Function):
         qs = q * (1.0 / math.sqrt(hd))
         k0 = keys[0].reshape(bsz * nkv, seq, hd)
         v0 = values[0].reshape(bsz * nkv, seq, hd)
-        out = q.new_empty((bsz, nkv, groups, seq, hd))
-        lse0 = torch.empty((bsz, nkv, groups, seq), dtype=acc, device=q.device)
         blocks = _blocks(seq, block_rows)
+        outs, lses = [], []
         kept = None
         for a, e in blocks:
             n = e - a
             s0 = torch.bmm(qs[..., a:e, :].reshape(bsz * nkv, groups * n, hd), k0[:, :e].transpose(1, 2))
             s0 = s0.view(bsz, nkv, groups, n, e).to(acc).add_(bias[..., a:e, :e])
-            m0 = s0.amax(-1)
+            m0 = s0.amax(-1) if n_diag else None
             p0 = torch.softmax(s0, dim=-1)  # over the step-0 keys alone
             del s0
-            lse0[..., a:e] = m0 - p0.amax(-1).log()  # p0's maximum is exp(m0 - lse0)
-            out[..., a:e, :] = torch.bmm(p0.view(bsz * nkv, groups * n, e).to(dt), v0[:, :e]).view(
-                bsz, nkv, groups, n, hd)
+            if n_diag:
+                lses.append(m0 - p0.amax(-1).log())  # p0's maximum is exp(m0 - lse0)
+            outs.append(torch.bmm(p0.view(bsz * nkv, groups * n, e).to(dt), v0[:, :e]).view(bsz, nkv, groups, n, hd))
             if len(blocks) == 1:
                 kept = p0  # one block (at most EAGER_BLOCK_ELEMENTS): keep it rather than recompute it
             del p0
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
+        del outs
         w0 = pd = None
         if n_diag:
             dg = torch.stack([(qs * kj[:, :, None]).sum(-1) for kj in keys[1:]], dim=-1).to(acc)  # [.., T, k]
+            lse0 = lses[0] if len(lses) == 1 else torch.cat(lses, dim=-1)
             lse = torch.logsumexp(torch.cat((lse0[..., None], dg), dim=-1), dim=-1)
             w0 = torch.exp(lse0 - lse)[..., None]  # share of the step-0 keys in the joint softmax
             pd = torch.exp(dg - lse[..., None])  # probabilities of the diagonal keys
@@ -197,10 +199,10 @@ class _TTTAttention(torch.autograd.Function):
         rd0 = rowdot if w0 is None else rowdot * w0
         k0 = keys[0].reshape(bsz * nkv, seq, hd)
         v0 = values[0].reshape(bsz * nkv, seq, hd)
-        dqs = torch.empty_like(qs)
-        dk0 = torch.zeros_like(k0)
-        dv0 = torch.zeros_like(v0)
-        for a, e in _blocks(seq, ctx.block_rows):
+        blocks = _blocks(seq, ctx.block_rows)
+        dqs_blocks = []
+        dk0 = dv0 = None
+        for a, e in blocks:
             n = e - a
             q3 = qs[..., a:e, :].reshape(bsz * nkv, groups * n, hd)
             if kept is not None:
@@ -211,7 +213,7 @@ class _TTTAttention(torch.autograd.Function):
                 del s0
             p3 = p0.view(bsz * nkv, groups * n, e)
             do3 = do0[..., a:e, :].reshape(bsz * nkv, groups * n, hd)
-            dv0[:, :e] += torch.bmm(p3.to(dt).transpose(1, 2), do3)  # summed over the groups
+            dv = torch.bmm(p3.to(dt).transpose(1, 2), do3)  # [B*n_kv, e, hd], summed over the groups
             dp = torch.bmm(do3, v0[:, :e].transpose(1, 2)).to(acc).view(bsz, nkv, groups, n, e)
             ds = dp.sub_(rd0[..., a:e, :]).mul_(p0)
             del p0, p3
@@ -219,9 +221,19 @@ class _TTTAttention(torch.autograd.Function):
             if dead is not None:
                 ds.masked_fill_(dead[..., a:e, :], 0.0)
             ds3 = ds.view(bsz * nkv, groups * n, e).to(dt)
-            dqs[..., a:e, :] = torch.bmm(ds3, k0[:, :e]).view(bsz, nkv, groups, n, hd)
-            dk0[:, :e] += torch.bmm(ds3.transpose(1, 2), q3)
+            dqs_blocks.append(torch.bmm(ds3, k0[:, :e]).view(bsz, nkv, groups, n, hd))
+            dk = torch.bmm(ds3.transpose(1, 2), q3)
             del ds, ds3
+            if len(blocks) == 1:
+                dk0, dv0 = dk, dv
+            else:
+                if dk0 is None:
+                    dk0, dv0 = torch.zeros_like(k0), torch.zeros_like(v0)
+                dk0[:, :e] += dk
+                dv0[:, :e] += dv
+            del dk, dv
+        dqs = dqs_blocks[0] if len(dqs_blocks) == 1 else torch.cat(dqs_blocks, dim=-2)
+        del dqs_blocks
         dkeys = [dk0.view(bsz, nkv, seq, hd)]
         dvalues = [dv0.view(bsz, nkv, seq, hd)]
         if n_diag:
