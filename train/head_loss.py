@@ -13,7 +13,7 @@ d weight): nothing is recomputed.
 
 Rows whose predicted token is not a counted assistant token have loss weight and metrics zero.
 The rows are cut into windows of ``chunk_rows`` consecutive rows; a window whose rows mostly
-count (DENSE_FRACTION) is computed as a slice of the hidden and teacher tensors (no copies), a
+count (see GATHER_AT) is computed as a slice of the hidden and teacher tensors (no copies), a
 window with fewer counted rows gathers only those (so prompts cost no lm_head work), a window
 with none is skipped. One host sync per call plans the windows.
 
@@ -32,10 +32,11 @@ import torch
 # temporary (logits, softmax, teacher rows) is then ~64 MB whatever the draft vocab.
 CHUNK_ELEMENTS = 1 << 24
 MIN_CHUNK_ROWS = 64
-# A window is computed whole (a slice) when at least this share of its rows count, else its counted
-# rows are gathered: gathering a row's teacher (two [Vd] rows) costs about what the lm_head work of
-# an eighth of a row does at the hidden sizes in use.
-DENSE_FRACTION = 7 / 8
+# A window is computed whole (a slice) unless more than GATHER_AT / H of its rows do not count; then
+# its counted rows are gathered. Gathering a row's teacher (two [Vd] fp32 rows, copied) costs about
+# what the lm_head's 6 * H FLOPs per vocab entry of GATHER_AT / H of a row do on a CPU core (measured
+# ~1.5 GB/s per copy against ~100 GFLOP/s): 11% of the rows at H = 576, 3% at H = 2048.
+GATHER_AT = 64.0
 
 
 def default_chunk_rows(draft_vocab: int) -> int:
@@ -107,9 +108,10 @@ class _HeadLoss(torch.autograd.Function):
         return (d_weight.mul_(g).to(ctx.weight_dtype), None, *out_h)
 
 
-def _plan(counted: torch.Tensor, chunk: int) -> list[list[tuple[int, int] | torch.Tensor]]:
+def _plan(counted: torch.Tensor, chunk: int, hidden: int) -> list[list[tuple[int, int] | torch.Tensor]]:
     """Per step, its windows: (start, stop) of a slice computed whole, or the counted rows to gather."""
     steps, n = counted.shape
+    dense = 1.0 - min(GATHER_AT / hidden, 1.0)  # the share of counted rows from which a window is a slice
     n_win = -(-n // chunk)
     per_win = torch.nn.functional.pad(counted, (0, n_win * chunk - n)).view(steps, n_win, chunk).sum(-1)
     flat = torch.nonzero(counted)[:, 1]  # counted rows, ascending within each step, steps in order
@@ -120,7 +122,7 @@ def _plan(counted: torch.Tensor, chunk: int) -> list[list[tuple[int, int] | torc
             if c == 0:
                 continue
             a, b = w * chunk, min((w + 1) * chunk, n - 1 - k)  # teacher row r + 1 + k must exist
-            wins.append((a, b) if c >= DENSE_FRACTION * (b - a) else flat[offset : offset + c])
+            wins.append((a, b) if c >= dense * (b - a) else flat[offset : offset + c])
             offset += c
         plans.append(wins)
     return plans
@@ -140,7 +142,7 @@ def _run(weight, normed, plan):
     d_normed = []
     total = torch.zeros((), dtype=f32, device=dev)
     losses, corrects, accepts = [], [], []
-    for k, (x, windows) in enumerate(zip(normed, _plan(counted, plan["chunk_rows"]), strict=True)):
+    for k, (x, windows) in enumerate(zip(normed, _plan(counted, plan["chunk_rows"], hid), strict=True)):
         flat = x.reshape(-1, hid)
         shift = 1 + k  # teacher row of hidden row r
         loss_sum = torch.zeros((), dtype=f32, device=dev)
