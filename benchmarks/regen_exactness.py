@@ -19,7 +19,10 @@ same script, so before and after are measured the same way:
         --json exact-main.json
     OMP_NUM_THREADS=1 python benchmarks/regen_exactness.py --out runs/exact-branch --json exact-branch.json
 
-Defaults: the embedded target, the 80 MT-bench first turns, greedy, 128 new tokens.
+`--regen-backend vllm|server` measures the other regeneration engines the same way (`--regen-url`
+for a running server).
+
+Defaults: the embedded target, the 80 MT-bench first turns, greedy, 128 new tokens, the hf engine.
 """
 
 from __future__ import annotations
@@ -47,6 +50,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-user-turns", type=int, default=1, help="answer only the first N user turns (0: all)")
     p.add_argument("--max-samples", type=int, default=0, help="first N records only (0: all)")
     p.add_argument("--teacher", default="topk", help="teacher kinds, as extract's --teacher")
+    p.add_argument("--regen-backend", default="hf", choices=("hf", "vllm", "server"),
+                   help="regeneration engine, as extract's --regen-backend")
+    p.add_argument("--regen-url", default="", help="server URL for --regen-backend server")
     p.add_argument("--json", default=None, help="write the counts here")
     p.add_argument("--show", type=int, default=3, help="print this many mismatched turns in full")
     return p.parse_args(argv)
@@ -69,6 +75,25 @@ def recording_loader(load: Callable[..., Any], calls: list[tuple[list[int], list
         return backend
 
     return load_and_record
+
+
+def recording_regenerators(make: Callable[..., Any], calls: list[tuple[list[int], list[int]]]) -> Callable[..., Any]:
+    """Wrap extract.pipeline.make_regenerator so every regenerator (hf, vllm, server) appends the (prompt, output)
+    pairs its engine returned to `calls`; the regenerator itself runs unchanged."""
+
+    def make_and_record(cfg: Any, backend: Any, path: Any) -> Any:
+        regen = make(cfg, backend, path)
+        generate = regen.generate
+
+        def record(prompts, budgets, gen, stops):
+            outputs = generate(prompts, budgets, gen, stops)
+            calls.extend((list(p), list(o)) for p, o in zip(prompts, outputs, strict=True))
+            return outputs
+
+        regen.generate = record
+        return regen
+
+    return make_and_record
 
 
 def _masked_run(ids: list[int], mask: list[bool], start: int) -> list[int]:
@@ -122,10 +147,18 @@ def main(argv: list[str] | None = None) -> int:
 
     log.info("extraction code: %s", Path(extract.__file__).parent)
     recorded: list[tuple[list[int], list[int]]] = []
-    pipeline.load_backend = recording_loader(pipeline.load_backend, recorded)
     cli = ["--target", args.target, "--data", args.data, "--out", args.out, "--regenerate",
            "--max-user-turns", str(args.max_user_turns), "--max-new-tokens", str(args.max_new_tokens),
            "--teacher", args.teacher, "--rank", "0", "--world-size", "1"]
+    if hasattr(pipeline, "make_regenerator"):  # this checkout: record whichever engine regenerates
+        pipeline.make_regenerator = recording_regenerators(pipeline.make_regenerator, recorded)
+        cli += ["--regen-backend", args.regen_backend]
+        if args.regen_url:
+            cli += ["--regen-url", args.regen_url]
+    elif args.regen_backend != "hf":
+        raise SystemExit(f"{args.code}: that checkout has no --regen-backend")
+    else:  # older checkouts: the backend's generate is the only engine
+        pipeline.load_backend = recording_loader(pipeline.load_backend, recorded)
     if args.max_samples:
         cli += ["--max-samples", str(args.max_samples)]
     start = time.perf_counter()
@@ -141,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         samples.append((reader.sample_ids[i], s.input_ids.tolist(), s.loss_mask.bool().tolist()))
     counts = compare(samples, recorded, stops)
     manifest = json.loads((Path(args.out) / "manifest.json").read_text())
-    result = {"code": str(Path(extract.__file__).parent.parent), "target": args.target, "data": args.data,
+    result = {"code": str(Path(extract.__file__).parent.parent), "regen_backend": args.regen_backend,
+              "target": args.target, "data": args.data,
               "max_new_tokens": args.max_new_tokens, "max_user_turns": args.max_user_turns,
               "seconds": round(seconds, 1), "manifest_regeneration": manifest.get("regeneration"), **counts}
 

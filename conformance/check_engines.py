@@ -182,8 +182,10 @@ def engine_check(python: str, tools: Path, folder: Path, engine: str, context: i
     cmd = [python, str(tools / "engine_load_check.py"), str(folder), "--engine", engine]
     if context:
         cmd += ["--context-length", str(context)]
+    shim = str(Path(__file__).resolve().parent / "engine_shim")  # see engine_shim/sitecustomize.py
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (shim, os.environ.get("PYTHONPATH")) if p)}
     t0 = time.time()
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     took = time.time() - t0
     logdir.mkdir(parents=True, exist_ok=True)
     (logdir / f"{folder.name}.{engine}.log").write_text(proc.stdout)

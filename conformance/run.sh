@@ -5,11 +5,15 @@
 #
 # Phases (wall time printed for each):
 #   1. venvs   ../shared/tools/make_engine_venv.sh and make_specforge_venv.sh (idempotent)
-#   2. drafters  demo pipeline (extract 6 samples -> train 2 steps -> export), a Kimi-K2.5-shaped
+#   2. sglang-tests  the tests marked `sglang` (they need the real SGLang package) run with the engine
+#              venv's python (pytest added beside it under $WORK/engine-pytest, the same versions as .venv);
+#              REDRAFT_REQUIRE_SGLANG=1 makes a missing SGLang, or a skip, a failure
+#   3. drafters  demo pipeline (extract 6 samples -> train 2 steps -> export), a Kimi-K2.5-shaped
 #              drafter, one warm-started from an imported SGLang-layout drafter (conformance.make_drafters)
-#   3. engines   engine_load_check.py on every export + aux-id capture rules + broken exports refused
-#   4. product   `python -m eval.export --verify-with sglang` inside the engine venv (item 4's path)
-#   5. specforge our logits/losses vs specforge_reference.py
+#   4. engines   engine_load_check.py on every export + aux-id capture rules + broken exports refused
+#   5. product   `python -m eval.export --verify-with sglang` inside the engine venv (item 4's path), and the
+#              regeneration server client's SGLang /generate bodies through SGLang's schema (check_regen_api.py)
+#   6. specforge our logits/losses vs specforge_reference.py
 # The lane never passes without running: when the venvs cannot be built (registries unreachable) it
 # fails (exit 1) and says why. REDRAFT_SKIP_CONFORMANCE=1, set on purpose, skips it (exit 0, loudly).
 set -euo pipefail
@@ -49,7 +53,7 @@ TOOLS=$(cd "$TOOLS" && pwd)
 [ -x "$PY" ] || { echo "conformance: $PY missing (run 'make venv' first)" >&2; exit 2; }
 
 # ---------------------------------------------------------------- 1. venvs
-phase "1/5 venvs ($VENVS)"
+phase "1/6 venvs ($VENVS)"
 venvs_ready() {
     [ -x "$ENGINE_VENV/bin/python" ] && [ -x "$SF_VENV/bin/python" ] || return 1
     "$ENGINE_VENV/bin/python" -c "import sglang, vllm" >/dev/null 2>&1 || return 1
@@ -86,8 +90,34 @@ build_venv make_engine_venv.sh "$ENGINE_VENV"
 build_venv make_specforge_venv.sh "$SF_VENV"
 done_phase venvs
 
-# ---------------------------------------------------------------- 2. drafters
-phase "2/5 exported drafters ($WORK)"
+# ---------------------------------------------------------------- 2. tests that need the real SGLang
+phase "2/6 tests marked sglang, with the engine venv's python"
+mapfile -t SGLANG_TESTS < <(grep -l "pytest.mark.sglang" tests/test_*.py)
+if [ "${#SGLANG_TESTS[@]}" = 0 ]; then
+    echo "conformance: no test file under tests/ has a test marked sglang" >&2
+    exit 1
+fi
+PYTEST_SITE="$WORK/engine-pytest"  # pytest beside the engine venv, not in it: the shared tool owns that venv
+PYTEST_PINS=$("$PY" -c 'import importlib.metadata as m
+print(" ".join(f"{d}=={m.version(d)}" for d in ("pytest", "pluggy", "iniconfig", "pytest-timeout")))')
+if [ "$(cat "$PYTEST_SITE/.pins" 2>/dev/null)" != "$PYTEST_PINS" ]; then
+    rm -rf "$PYTEST_SITE"
+    # shellcheck disable=SC2086  # the pins are separate arguments
+    if ! "$ENGINE_VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps --target "$PYTEST_SITE" \
+            $PYTEST_PINS >"$WORK/engine-pytest.log" 2>&1; then
+        tail -n 30 "$WORK/engine-pytest.log" | sed 's/^/  /'
+        echo "conformance: installing $PYTEST_PINS for the engine venv failed (log: $WORK/engine-pytest.log)" >&2
+        exit 1
+    fi
+    echo "$PYTEST_PINS" >"$PYTEST_SITE/.pins"
+fi
+echo "  $PYTEST_PINS; ${SGLANG_TESTS[*]}"
+REDRAFT_REQUIRE_SGLANG=1 PYTHONPATH="$ROOT:$PYTEST_SITE" "$ENGINE_VENV/bin/python" -m pytest -q -p no:cacheprovider \
+    -m sglang "${SGLANG_TESTS[@]}"
+done_phase sglang-tests
+
+# ---------------------------------------------------------------- 3. drafters
+phase "3/6 exported drafters ($WORK)"
 # everything but the extracted dataset is redone: training, checkpoint writing and export are under test
 rm -rf "$WORK/exports" "$WORK/broken" "$WORK/runs" "$WORK/verify" "$WORK/imported-sglang"
 for which in demo warm kimi; do
@@ -97,14 +127,14 @@ for which in demo warm kimi; do
 done
 done_phase drafters
 
-# ---------------------------------------------------------------- 3. engines
-phase "3/5 engine loading (SGLang 0.5.23 + vLLM 0.33.0 loaders)"
+# ---------------------------------------------------------------- 4. engines
+phase "4/6 engine loading (SGLang 0.5.23 + vLLM 0.33.0 loaders)"
 "$PY" -m conformance.check_engines "$WORK/exports" --engine-python "$ENGINE_VENV/bin/python" --shared-tools "$TOOLS"
 rm -rf "$WORK/runs/kimi" "$WORK/exports/kimi-sglang" "$WORK/exports/kimi-vllm"  # 7 GB, rebuilt every run
 done_phase engines
 
-# ---------------------------------------------------------------- 4. product --verify-with
-phase "4/5 python -m eval.export --verify-with (in the engine venv)"
+# ---------------------------------------------------------------- 5. product --verify-with
+phase "5/6 python -m eval.export --verify-with (in the engine venv)"
 "$ENGINE_VENV/bin/python" -m eval.export "$WORK/runs/demo" "$WORK/verify/demo-sglang" --format sglang --force -q \
     --verify-with sglang
 rc=0
@@ -114,10 +144,12 @@ if [ "$rc" != 1 ]; then
     exit 1
 fi
 echo "  eval.verify_engine refused the export without d2t, as it must"
+# extract --regen-backend server: our SGLang /generate bodies through SGLang's own schema and SamplingParams
+PYTHONPATH="$ROOT" "$ENGINE_VENV/bin/python" conformance/check_regen_api.py
 done_phase product
 
-# ---------------------------------------------------------------- 5. specforge
-phase "5/5 numerics vs SpecForge 0.2.0"
+# ---------------------------------------------------------------- 6. specforge
+phase "6/6 numerics vs SpecForge 0.2.0"
 "$PY" -m conformance.check_specforge "$WORK/specforge" --sf-python "$SF_VENV/bin/python" --shared-tools "$TOOLS"
 done_phase specforge
 

@@ -8,6 +8,7 @@ name (a misspelt key silently changes what runs), and spells flags with hyphens
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,6 +19,29 @@ import yaml
 
 class ConfigError(ValueError):
     """A bad option value or an unknown key; the message names the key and the file."""
+
+
+_SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+               "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*", re.IGNORECASE)
+
+
+class ByteSize(int):
+    """A size in bytes that a flag or YAML value may spell with a unit: ``4GiB``, ``512M``, ``1.5G``, ``1024``.
+
+    Decimal units (k, M, G, T) are powers of 1000, binary ones (KiB, MiB, GiB, TiB) powers of 1024.
+    """
+
+    def __new__(cls, value: Any) -> ByteSize:
+        if isinstance(value, bool):
+            raise ValueError(f"not a size in bytes: {value!r}")
+        if isinstance(value, int):
+            return super().__new__(cls, value)
+        match = _SIZE.fullmatch(str(value))
+        if match is None:
+            raise ValueError(f"not a size in bytes: {value!r} (examples: 4GiB, 512MiB, 2G, 1000000)")
+        number, unit = match.groups()
+        return super().__new__(cls, int(float(number) * _SIZE_UNITS[(unit or "").lower()]))
 
 
 def read_yaml_mapping(path: Path) -> dict[str, Any]:

@@ -8,9 +8,17 @@ CKPT is a training run folder (``OUT/``, its ``latest`` step is used), a ``step-
 checkpoint, or a foreign SGLang/SpecForge drafter folder (config.json + model.safetensors;
 its layer ids are read in SGLang's convention for the dataset's target architecture).
 
-Numbers follow SGLang's convention: acceptance length tau = accepted drafts + 1 (the bonus token
-the target always adds). The maths is in :mod:`eval.simulate`; this module loads, batches,
-aggregates and reports. :func:`evaluate` is the library entry point (the trainer's periodic
+tau is the engine's number: tokens per verify round, 1 + accepted drafts / verify rounds, over the
+positions an engine visits when it answers each prompt (start of the answer, accept n, move n + 1,
+stop at the end of turn or ``--max-new-tokens``); the rules and the engine source each follows
+are in :mod:`eval.engine_walk`. The mean over *every* drafting position is kept as a diagnostic
+under its own name (``per_position``): it reads high once acceptance is substantial, because
+positions inside accepted runs are easier and engines never draft from them. The drafting maths
+is in :mod:`eval.simulate`; this module loads, batches, aggregates and reports.
+
+Exactness comes from the data: the numbers are exact (up to numerics) only when every assistant
+token is the target's argmax at the previous position; otherwise the agreeing fraction is
+reported and the numbers are called an estimate. :func:`evaluate` is the library entry point (the trainer's periodic
 validation can call it); importing this module has no side effects.
 
 Split: by default the held-out validation ids recorded in each checkpoint's redraft.json. With
@@ -18,9 +26,16 @@ several checkpoints the intersection of their recorded splits is used, so every 
 scored on samples none of them trained on; drafters without a record (imported ones) do not
 constrain it, and if none has one every sample is used, with a warning.
 
-Approximations at temperature > 0 (reported as "expected"): the chain follows the data tokens
-rather than a sampled path, and a top-k teacher is the stored top-k renormalised at temperature T
-(a teacher from ``last_hidden`` is exact over the full vocabulary).
+Temperature > 0 (reported as "expected", per position; there is no engine walk): both engines
+draft greedily and by default verify against the target alone, accepting draft d with probability
+p_T(d) (vLLM ``v1/sample/rejection_sampler.py``, ``draft_sample_method="greedy"`` -> no draft probs,
+``draft_prob = 1``; SGLang ``speculative/eagle_utils.py::eagle_sample`` ->
+``tree_speculative_sampling_target_only`` with zero draft probs). ``--rejection-sampling`` gives the
+opt-in rule sum_v min(p, q) (vLLM ``draft_sample_method="probabilistic"``, SGLang
+``--speculative-use-rejection-sampling``). SGLang verifies greedily on CPU whatever the temperature
+(``_verify_uses_greedy``: ``is_cpu``). Approximations: the chain follows the data tokens rather than
+a sampled path, and a top-k teacher is the stored top-k renormalised at temperature T (a teacher
+from ``last_hidden`` is exact over the full vocabulary).
 """
 
 from __future__ import annotations
@@ -41,201 +56,26 @@ if __package__ in (None, ""):  # run as a script path: make the repo root import
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from core.atomic import atomic_write_text  # noqa: E402
-from core.batching import pack_batches  # noqa: E402
 from core.config import ConfigError, parse_args_with_config  # noqa: E402
 from core.dataset.batch import collate  # noqa: E402
 from core.dataset.reader import DatasetReader  # noqa: E402
-from core.drafter.folder import CheckpointError, load_drafter_checkpoint, read_record, resolve_drafter_folder  # noqa: E402
-from core.drafter.modeling import Eagle3Drafter  # noqa: E402
-from core.plotting import atomic_write_png, pyplot  # noqa: E402
-from core.target_weights import read_target_tensor, weight_key_candidates  # noqa: E402
-from core.teacher_targets import teacher_from_last_hidden, teacher_from_topk, topk_argmax  # noqa: E402
+from core.layers import ENGINES  # noqa: E402
+from eval import engine_walk as walk  # noqa: E402
 from eval import simulate as sim  # noqa: E402
+from eval.acceptance_report import format_markdown, format_table, write_plot  # noqa: E402
+from eval.evaluation_inputs import (  # noqa: E402
+    AcceptanceError,
+    inspect_checkpoint,
+    load_drafter,
+    make_batches,
+    read_lm_head,
+    select_samples,
+    target_folder,
+    teacher_for_batch,
+    teacher_kind,
+)
 
 log = logging.getLogger(__name__)
-
-
-class AcceptanceError(ValueError):
-    """A checkpoint, dataset or option combination that cannot be evaluated; the message names both sides."""
-
-
-# ----------------------------------------------------------------------------- checkpoints
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A drafter folder: ``path`` itself, or a run folder's ``latest`` step (else its newest step-*)."""
-    try:
-        return resolve_drafter_folder(path)
-    except CheckpointError as e:
-        raise AcceptanceError(str(e)) from e
-
-
-def check_fits(cfg: Any, manifest: dict[str, Any], num_aux: int, source: str, data: str) -> None:
-    """Refuse a drafter whose target hidden size, vocab or layer ids differ from the dataset's."""
-    pairs = [
-        ("target hidden size", cfg.target_hidden_size, int(manifest["hidden_size"]), "hidden_size"),
-        ("vocab size", cfg.vocab_size, int(manifest["vocab_size"]), "vocab_size"),
-        ("aux layer ids", list(cfg.aux_layer_ids), [int(i) for i in manifest.get("aux_layer_ids") or []],
-         "aux_layer_ids"),
-        ("number of aux layers", cfg.num_aux_layers, num_aux, "aux_hidden width / hidden_size"),
-    ]
-    problems = [f"{what}: drafter {source} has {mine!r}, dataset {data} has {theirs!r} ({key})"
-                for what, mine, theirs, key in pairs if mine != theirs]
-    if problems:
-        raise AcceptanceError("checkpoint does not fit the data: " + "; ".join(problems))
-
-
-def check_fingerprint(record: dict[str, Any] | None, manifest: dict[str, Any], source: str, data: str) -> None:
-    """Refuse a redraft drafter trained on data from another tokenizer or chat template (same shapes, other ids)."""
-    recorded = (record or {}).get("dataset") or {}
-    problems = [f"{key}: drafter {source} was trained on {recorded[key]!r}, dataset {data} has {manifest[key]!r}"
-                for key in ("tokenizer_hash", "chat_template_hash")
-                if recorded.get(key) and manifest.get(key) and recorded[key] != manifest[key]]
-    if problems:
-        raise AcceptanceError("checkpoint does not fit the data: " + "; ".join(problems))
-
-
-def _target_folder(manifest: dict[str, Any], target: str | Path | None, data: str) -> Path:
-    path = Path(target) if target else Path(str((manifest.get("target") or {}).get("path", "")))
-    if not path.exists():
-        raise AcceptanceError(
-            f"target folder {str(path)!r} (from {'--target' if target else data + '/manifest.json target.path'}) "
-            "does not exist; the drafter needs the target's input embedding: pass --target PATH"
-        )
-    return path
-
-
-def _key_candidates(manifest: dict[str, Any], target: Path, which: str) -> list[str]:
-    """Embedding (which='embed') or lm_head keys: the manifest's recorded key first, then the usual names."""
-    tinfo = manifest.get("target") or {}
-    keys = [tinfo[f"{which}_key"]] if tinfo.get(f"{which}_key") else []
-    cfg_file = target / "config.json"
-    if cfg_file.is_file():
-        embed, head = weight_key_candidates(json.loads(cfg_file.read_text()))
-        keys += embed if which == "embed" else head
-    return list(dict.fromkeys(keys))
-
-
-def _load_checked(folder: Path, reader: Any) -> tuple[Any, dict[str, torch.Tensor]]:
-    manifest = reader.manifest
-    tinfo = manifest.get("target") or {}
-    try:
-        cfg, state = load_drafter_checkpoint(
-            folder, target_architecture=tinfo.get("architecture") or "LlamaForCausalLM",
-            target_num_layers=int(manifest["num_layers"]),
-        )
-    except CheckpointError as e:
-        raise AcceptanceError(str(e)) from e
-    check_fits(cfg, manifest, reader.num_aux, str(folder), str(reader.root))
-    check_fingerprint(read_record(folder), manifest, str(folder), str(reader.root))
-    return cfg, state
-
-
-def inspect_checkpoint(checkpoint: str | Path, reader: Any) -> tuple[Path, dict[str, Any] | None]:
-    """(resolved folder, redraft record or None), after checking the drafter fits the data."""
-    folder = resolve_checkpoint(checkpoint)
-    _load_checked(folder, reader)
-    return folder, read_record(folder)
-
-
-def load_drafter(
-    checkpoint: str | Path, reader: Any, *, target: str | Path | None = None, device: str = "cpu",
-    dtype: torch.dtype = torch.float32,
-) -> tuple[Any, Path, dict[str, Any] | None]:
-    """(drafter with the target embedding, resolved folder, redraft record or None) checked against the data."""
-    folder = resolve_checkpoint(checkpoint)
-    manifest = reader.manifest
-    cfg, state = _load_checked(folder, reader)
-    impl = "sdpa" if str(device).startswith("cuda") else "eager"
-    drafter = Eagle3Drafter(cfg, attention_impl=impl)
-    drafter.load_serving_state_dict(state)
-    tpath = _target_folder(manifest, target, str(reader.root))
-    drafter.load_target_embedding(tpath, _key_candidates(manifest, tpath, "embed"))
-    drafter.to(device=device, dtype=dtype).eval()
-    return drafter, folder, read_record(folder)
-
-
-# ----------------------------------------------------------------------------- samples
-
-
-def select_samples(
-    reader: Any, records: Sequence[dict[str, Any] | None], split: str, max_samples: int = 0
-) -> tuple[list[int], str]:
-    """(dataset indices in dataset order, description). See the module docstring for the rules."""
-    if split not in ("val", "all"):
-        raise AcceptanceError(f"--split must be 'val' or 'all', got {split!r}")
-    indices = list(range(len(reader)))
-    desc = "all"
-    if split == "val":
-        recorded = [set(map(str, r["val_ids"])) for r in records if r and r.get("val_ids") is not None]
-        if not recorded:
-            log.warning("no checkpoint records a validation split (imported drafters?): evaluating on ALL %d "
-                        "samples, which may include training data", len(reader))
-        else:
-            if len(recorded) < len(records):
-                log.warning("%d of %d checkpoints record no validation split; using the others' split",
-                            len(records) - len(recorded), len(records))
-            wanted = set.intersection(*recorded)
-            if len(wanted) < max(len(s) for s in recorded):
-                log.warning("checkpoints record different validation splits; using their intersection "
-                            "(%d ids)", len(wanted))
-            present = set(reader.sample_ids)
-            missing = wanted - present
-            if missing:
-                log.warning("%d validation ids are not in %s (another dataset?); skipping them",
-                            len(missing), reader.root)
-            indices = [i for i, s in enumerate(reader.sample_ids) if s in wanted]
-            if not indices:
-                raise AcceptanceError(
-                    f"the recorded validation split has no sample in {reader.root} (intersection of "
-                    f"{len(recorded)} checkpoint split(s)); use --split all"
-                )
-            desc = "val"
-    if max_samples > 0:
-        indices = indices[:max_samples]
-    return indices, desc
-
-
-def make_batches(indices: Sequence[int], lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
-    """Length-sorted batches whose padded size B * T_max stays within ``batch_tokens`` (one sample at least)."""
-    groups = pack_batches([lengths[i] for i in indices], batch_tokens)
-    return [[indices[j] for j in group] for group in groups]
-
-
-# ----------------------------------------------------------------------------- teacher
-
-
-def teacher_for_batch(
-    batch: Any, drafter: Any, kind: str, temperature: float, lm_head: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(argmax [B, T] full vocab, teacher prob on the draft vocab at temperature T [B, T, Vd] or None at T=0)."""
-    if kind == "topk":
-        ids, lp = batch.topk_ids, batch.topk_logprobs.float()
-        argmax = topk_argmax(ids, lp, drafter.config.vocab_size)
-        if temperature <= 0:
-            return argmax, None
-        valid = (ids >= 0) & (ids < drafter.config.vocab_size)
-        lp_t = torch.log_softmax(lp.masked_fill(~valid, float("-inf")) / temperature, dim=-1)  # truncated to the top-k
-        return argmax, teacher_from_topk(ids, lp_t, drafter.t2d, drafter.d2t).p_on_draft
-    if lm_head is None:
-        raise AcceptanceError("teacher 'last_hidden' needs the target's lm_head")
-    scale = temperature if temperature > 0 else 1.0
-    t = teacher_from_last_hidden(batch.last_hidden.float() / scale, lm_head, drafter.t2d)
-    return t.target_ids, (t.p_on_draft if temperature > 0 else None)
-
-
-def _teacher_kind(reader: Any, wanted: str) -> str:
-    has_topk, has_last = reader.has_topk, bool(getattr(reader, "has_last_hidden", False))
-    if wanted == "auto":
-        wanted = "topk" if has_topk else "last_hidden"
-    if (wanted == "topk" and not has_topk) or (wanted == "last_hidden" and not has_last):
-        raise AcceptanceError(f"teacher {wanted!r} is not stored in {reader.root} (teacher {reader.teacher})")
-    return wanted
-
-
-def _read_lm_head(manifest: dict[str, Any], target: Path, device: str) -> torch.Tensor:
-    weight, _ = read_target_tensor(target, _key_candidates(manifest, target, "lm_head"))
-    return weight.to(device=device, dtype=torch.float32)
 
 
 # ----------------------------------------------------------------------------- aggregation
@@ -248,6 +88,7 @@ class _Group:
     accept_sum: torch.Tensor = field(default=None)  # type: ignore[assignment]
     tree_positions: int = 0
     tree_accepted: float = 0.0
+    walk: walk.WalkStats | None = None  # the engine walk (chain, or tree with --topk > 1); None at T > 0
 
     def __post_init__(self) -> None:
         if self.accept_sum is None:
@@ -256,7 +97,11 @@ class _Group:
     def summary(self, tree: bool) -> dict[str, Any]:
         mean = (self.accept_sum / max(self.positions, 1)).tolist()
         acc = self.tree_accepted / max(self.tree_positions, 1) if tree else sum(mean)
-        out = {"positions": self.positions, "tau": 1.0 + acc, "accepted_drafts": acc}
+        out = {"positions": self.positions, "per_position_tau": 1.0 + acc}
+        if self.walk is not None:
+            out.update(tau=self.walk.tau, accepted_drafts=self.walk.tau - 1.0, rounds=self.walk.rounds)
+        else:
+            out.update(tau=1.0 + acc, accepted_drafts=acc)
         if tree:
             out["tree_positions"] = self.tree_positions
         return out
@@ -271,8 +116,21 @@ class Settings:
     batch_tokens: int = 8192
     tree_positions: int = 64
     teacher: str = "auto"
+    engine: str | None = None  # None: vllm for chains, sglang for trees
+    rejection_sampling: bool = False
+    max_new_tokens: int = 0
 
     def check(self) -> None:
+        if self.engine is None:
+            self.engine = "sglang" if self.topk > 1 else "vllm"
+        if self.engine == "vllm" and self.topk > 1:
+            raise AcceptanceError("--engine vllm with --topk > 1: vLLM drafts trees from a static "
+                                  "speculative_token_tree, not SGLang's dynamic top-k tree simulated here; use "
+                                  "--engine sglang")
+        if self.engine not in ENGINES:
+            raise AcceptanceError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.max_new_tokens < 0:
+            raise AcceptanceError(f"--max-new-tokens must be >= 0, got {self.max_new_tokens}")
         if self.steps < 1:
             raise AcceptanceError(f"--steps must be >= 1, got {self.steps}")
         if self.topk < 1:
@@ -297,15 +155,26 @@ class Settings:
                 raise AcceptanceError("tree drafting (--topk > 1) is simulated at --temperature 0 only")
 
 
-def _evaluation_label(manifest: dict[str, Any], temperature: float) -> tuple[str, str]:
-    gen = manifest.get("generation")
-    greedy_data = isinstance(gen, dict) and float(gen.get("temperature", -1)) == 0.0
+def _evaluation_label(temperature: float, agree: int, counted: int, unverifiable: int) -> tuple[str, str]:
+    """(label, note) from the data itself: exact only where every counted assistant token is the target's argmax."""
     if temperature > 0:
-        return "expected", (f"expected acceptance at temperature {temperature} (speculative sampling, "
-                            "sum of min(p, q)) along the data path")
-    if greedy_data:
-        return "exact", "exact: the data is the target's own greedy output"
-    return "lower_bound", "along the data path (lower bound): chains stop where the data leaves the target's argmax"
+        return "expected", (f"expected acceptance per drafting position at temperature {temperature} along the "
+                            "data path (no engine walk at T > 0)")
+    frac = agree / counted if counted else 0.0
+    tail = (f"; {unverifiable} draft(s) past the data's last row counted rejected (the engine verifies them)"
+            if unverifiable else "")
+    if counted and agree == counted:
+        return "exact", (f"exact: all {counted} assistant tokens are the target's argmax at the previous position "
+                         f"(its own greedy output){tail}")
+    return "estimate", (f"estimate: {agree} of {counted} assistant tokens ({frac:.1%}) are the target's argmax; "
+                        f"where the data leaves it, chains are cut (a lower bound there){tail}")
+
+
+def _sample_rows(res: Any, bsz: int, seq: int, steps: int) -> torch.Tensor:
+    """[B, T, K] drafts (target ids) at the simulated positions, -1 elsewhere."""
+    full = torch.full((bsz, seq, steps), -1, dtype=torch.int64)
+    full[res.sample.cpu(), res.position.cpu()] = res.drafts.cpu().to(torch.int64)
+    return full
 
 
 @torch.no_grad()
@@ -317,98 +186,153 @@ def evaluate_drafter(
     from tqdm import tqdm
 
     settings.check()
-    kind = _teacher_kind(reader, settings.teacher)
+    kind = teacher_kind(reader, settings.teacher)
     if kind == "last_hidden" and lm_head is None:
         raise AcceptanceError("teacher 'last_hidden' needs lm_head (evaluate() reads it from the target)")
     k_steps, tree = settings.steps, settings.topk > 1
-    dtype = next(drafter.parameters()).dtype
+    greedy = settings.temperature <= 0
     total = _Group(k_steps)
     groups: dict[str, dict[str, _Group]] = {"source": {}, "category": {}}
     reasons = torch.zeros(4, dtype=torch.float64)
     tree_reasons = torch.zeros(4, dtype=torch.float64)
+    walk_len = {j: walk.WalkStats(j) for j in range(1, k_steps + 1)} if greedy and not tree else {}
+    agree = counted = 0
     tokens = 0
+    max_new = settings.max_new_tokens or None
     t0 = time.perf_counter()
     batches = make_batches(indices, reader.lengths, settings.batch_tokens)
     for chunk in tqdm(batches, desc=desc, unit="batch", disable=not progress, leave=False):
-        batch = collate([reader.get(i) for i in chunk]).to(device, dtype)
+        batch = collate([reader.get(i) for i in chunk]).to(device, dtype=next(drafter.parameters()).dtype)
         tokens += batch.num_tokens
         argmax, p = teacher_for_batch(batch, drafter, kind, settings.temperature, lm_head)
         common = dict(input_ids=batch.input_ids, aux_hidden=batch.aux_hidden,
                       attention_mask=batch.attention_mask, loss_mask=batch.loss_mask)
-        if settings.temperature > 0:
+        if not greedy:
+            rule = "rejection" if settings.rejection_sampling else "target_only"
             res = sim.simulate_chain_sampled(drafter, teacher_p=p, temperature=settings.temperature,
-                                             steps=k_steps, **common)
+                                             steps=k_steps, rule=rule, **common)
             step0 = None
         else:
             res, step0 = sim.simulate_chain_greedy(drafter, target_ids=argmax, steps=k_steps, **common)
         tres = None
-        if tree:
-            where = sim.tree_positions(sim.drafting_positions(batch.loss_mask, batch.attention_mask),
-                                       settings.tree_positions)
+        bsz, seq = batch.input_ids.shape
+        where = sim.drafting_positions(batch.loss_mask, batch.attention_mask)
+        if tree:  # every drafting position: the walk visits positions that depend on earlier acceptance
             tres = sim.simulate_tree(drafter, step0, input_ids=batch.input_ids, loss_mask=batch.loss_mask,
                                      target_ids=argmax, positions=where, topk=settings.topk,
                                      num_draft_tokens=settings.num_draft_tokens, steps=k_steps)
-            tree_reasons += torch.bincount(tres.reason.cpu(), minlength=4).double()
+            sub = sim.tree_positions(where, settings.tree_positions).cpu()  # the per-position diagnostic's subset
+            keep = sub[tres.sample.cpu(), tres.position.cpu()]
+            tree_reasons += torch.bincount(tres.reason.cpu()[keep], minlength=4).double()
+            tree_acc = torch.full((bsz, seq), -1, dtype=torch.int64)
+            tree_acc[tres.sample.cpu(), tres.position.cpu()] = tres.accepted.cpu().to(torch.int64)
         reasons += torch.bincount(res.reason.cpu(), minlength=4).double()
         acc = res.accept_prob.double().cpu()
         rows = res.sample.cpu()
+        ids_c, lm_c, am_c = batch.input_ids.cpu(), batch.loss_mask.cpu(), batch.attention_mask.cpu()
+        argmax_c = argmax.cpu()
+        drafts = _sample_rows(res, bsz, seq, k_steps) if greedy and not tree else None
         for r, idx in enumerate(chunk):
             sel = rows == r
             n = int(sel.sum())
             s = acc[sel].sum(0)
+            length = int(am_c[r].sum())
+            a_r, c_r = walk.argmax_agreement(ids_c[r, :length], argmax_c[r, :length], lm_c[r, :length])
+            agree, counted = agree + a_r, counted + c_r
+            w = None
+            if tree:
+                w = walk.walk_accepted(tree_acc[r, :length], ids_c[r, :length], argmax_c[r, :length],
+                                       lm_c[r, :length], k_steps, max_new_tokens=max_new)
+            elif greedy:
+                w = walk.walk_chain(drafts[r, :length], ids_c[r, :length], argmax_c[r, :length], lm_c[r, :length],
+                                    max_new_tokens=max_new)
+                for j in range(1, k_steps):
+                    walk_len[j] += walk.walk_chain(drafts[r, :length, :j], ids_c[r, :length], argmax_c[r, :length],
+                                                   lm_c[r, :length], max_new_tokens=max_new)
+                walk_len[k_steps] += w
             keys = {"source": reader.sources[idx] or "-", "category": reader.categories[idx] or "-"}
             targets = [total] + [groups[g].setdefault(v, _Group(k_steps)) for g, v in keys.items()]
             t_n, t_sum = 0, 0.0
             if tres is not None:
-                tsel = tres.sample.cpu() == r
+                tsel = (tres.sample.cpu() == r) & keep
                 t_n, t_sum = int(tsel.sum()), float(tres.accepted.cpu()[tsel].sum())
             for g in targets:
                 g.positions += n
                 g.accept_sum += s
                 g.tree_positions += t_n
                 g.tree_accepted += t_sum
+                if w is not None:
+                    if g.walk is None:
+                        g.walk = walk.WalkStats(k_steps)
+                    g.walk += w
     seconds = time.perf_counter() - t0
-    return _summarise(total, groups, reasons, tree_reasons, settings, reader, len(indices), tokens, seconds)
+    return _summarise(total, groups, reasons, tree_reasons, settings, reader, len(indices), tokens, seconds,
+                      walk_len, agree, counted)
 
 
 def _summarise(total: _Group, groups: dict[str, dict[str, _Group]], reasons: torch.Tensor,
                tree_reasons: torch.Tensor, settings: Settings, reader: Any, samples: int, tokens: int,
-               seconds: float) -> dict[str, Any]:
+               seconds: float, walk_len: dict[int, walk.WalkStats], agree: int, counted: int) -> dict[str, Any]:
     k_steps, tree = settings.steps, settings.topk > 1
     n = max(total.positions, 1)
-    mean = (total.accept_sum / n).tolist()  # P(draft k accepted)
+    mean = (total.accept_sum / n).tolist()  # P(draft k accepted) over every drafting position
     cond = [mean[0]] + [mean[k] / mean[k - 1] if mean[k - 1] > 0 else 0.0 for k in range(1, k_steps)]
-    tau_len = {str(j): 1.0 + sum(mean[:j]) for j in range(1, k_steps + 1)}
-    label, note = _evaluation_label(reader.manifest, settings.temperature)
+    pp_len = {str(j): 1.0 + sum(mean[:j]) for j in range(1, k_steps + 1)}
+    engine_walk = total.walk.summary() if total.walk is not None else None
+    label, note = _evaluation_label(settings.temperature, agree, counted,
+                                    engine_walk["unverifiable_drafts"] if engine_walk else 0)
     frac = (reasons / max(float(reasons.sum()), 1.0)).tolist()
+    per_position = {
+        "tau": pp_len[str(k_steps)],
+        "accepted_drafts": sum(mean),
+        "accept_rate": mean,
+        "conditional_accept_rate": cond,
+        "tau_per_chain_length": pp_len,
+        "positions": total.positions,
+    }
     out: dict[str, Any] = {
         "settings": {"steps": k_steps, "topk": settings.topk, "num_draft_tokens": settings.num_draft_tokens,
-                     "temperature": settings.temperature, "teacher": _teacher_kind(reader, settings.teacher),
-                     "tree_positions_per_sample": settings.tree_positions if tree else None},
+                     "temperature": settings.temperature, "teacher": teacher_kind(reader, settings.teacher),
+                     "tree_positions_per_sample": settings.tree_positions if tree else None,
+                     "engine": settings.engine, "rejection_sampling": settings.rejection_sampling,
+                     "max_new_tokens": settings.max_new_tokens or None},
         "samples": samples,
         "tokens": tokens,
         "positions": total.positions,
-        "chain_tau": tau_len[str(k_steps)],
-        "chain_accepted_drafts": sum(mean),
-        "tau_per_chain_length": tau_len,
-        "accept_rate": mean,
-        "conditional_accept_rate": cond,
+        "engine_walk": engine_walk,
+        "per_position": per_position,
         "stop_reasons": {name: frac[code] for code, name in sim.REASONS.items()},
+        "data_argmax_agreement": {"agreeing": agree, "counted": counted,
+                                  "fraction": agree / counted if counted else 0.0},
         "evaluation": label,
         "evaluation_note": note,
         "seconds": seconds,
         "tokens_per_s": tokens / max(seconds, 1e-9),
         "positions_per_s": total.positions / max(seconds, 1e-9),
     }
+    if engine_walk is not None:
+        out["tau_estimator"] = "engine_walk"
+        tau, rates = engine_walk["tau"], engine_walk["accept_rate"]
+        out["tau_per_chain_length"] = ({str(j): w.tau for j, w in walk_len.items()} if walk_len
+                                       else {str(k_steps): tau})
+    else:
+        out["tau_estimator"] = "per_position_expected"
+        tau, rates = per_position["tau"], mean
+        out["tau_per_chain_length"] = pp_len
+    out["chain_tau"] = walk_len[k_steps].tau if walk_len else per_position["tau"]
     if tree:
         tfrac = (tree_reasons / max(float(tree_reasons.sum()), 1.0)).tolist()
         t_acc = total.tree_accepted / max(total.tree_positions, 1)
-        out["tree"] = {"positions": total.tree_positions, "tau": 1.0 + t_acc, "accepted_drafts": t_acc,
+        out["tree"] = {"positions": total.tree_positions, "per_position_tau": 1.0 + t_acc,
+                       "tau": tau, "engine_walk": engine_walk,
                        "stop_reasons": {name: tfrac[code] for code, name in sim.REASONS.items()}}
-        out["tau"], out["accepted_drafts"] = 1.0 + t_acc, t_acc
+        out["chain_tau"] = per_position["tau"]  # trees: the chain is simulated per position only
+        out["per_position"]["tree_tau"] = 1.0 + t_acc
     else:
         out["tree"] = None
-        out["tau"], out["accepted_drafts"] = out["chain_tau"], out["chain_accepted_drafts"]
+    out["tau"], out["accepted_drafts"], out["accept_rate"] = tau, tau - 1.0, rates
+    if settings.engine == "sglang" and engine_walk is not None:
+        out["sglang_request_accept_length"] = engine_walk["sglang_request_accept_length"]
     for g, table in groups.items():
         out[f"by_{g}"] = {k: v.summary(tree) for k, v in sorted(table.items())}
     return out
@@ -432,17 +356,21 @@ def evaluate(
     dtype: torch.dtype = torch.float32,
     indices: Sequence[int] | None = None,
     progress: bool = False,
+    engine: str | None = None,
+    rejection_sampling: bool = False,
+    max_new_tokens: int = 0,
 ) -> dict[str, Any]:
     """Load one checkpoint and evaluate it on ``reader`` (its recorded split unless ``indices`` is given)."""
-    settings = Settings(steps, topk, num_draft_tokens, temperature, batch_tokens, tree_positions, teacher)
+    settings = Settings(steps, topk, num_draft_tokens, temperature, batch_tokens, tree_positions, teacher,
+                        engine, rejection_sampling, max_new_tokens)
     settings.check()
     drafter, folder, record = load_drafter(checkpoint_path, reader, target=target, device=device, dtype=dtype)
     split_desc = "given"
     if indices is None:
         indices, split_desc = select_samples(reader, [record], split, max_samples)
     lm_head = None
-    if _teacher_kind(reader, teacher) == "last_hidden":
-        lm_head = _read_lm_head(reader.manifest, _target_folder(reader.manifest, target, str(reader.root)), device)
+    if teacher_kind(reader, teacher) == "last_hidden":
+        lm_head = read_lm_head(reader.manifest, target_folder(reader.manifest, target, str(reader.root)), device)
     res = evaluate_drafter(drafter, reader, indices, settings, device=device, lm_head=lm_head, progress=progress,
                            desc=folder.name)
     res.update(checkpoint=str(checkpoint_path), resolved=str(folder), split=split_desc,
@@ -464,93 +392,15 @@ def _names(paths: Sequence[str]) -> list[str]:
     return out
 
 
-def _rows(results: dict[str, dict[str, Any]]) -> list[tuple[str, list[str]]]:
-    first = next(iter(results.values()))
-    k_steps = first["settings"]["steps"]
-    rows: list[tuple[str, list[str]]] = []
-
-    def add(label: str, fn) -> None:
-        rows.append((label, [fn(r) for r in results.values()]))
-
-    mode = "tree" if first["tree"] else "chain"
-    add(f"tau ({mode}, accepted + 1)", lambda r: f"{r['tau']:.3f}")
-    add("accepted drafts", lambda r: f"{r['accepted_drafts']:.3f}")
-    if first["tree"]:
-        add(f"chain tau (K={k_steps})", lambda r: f"{r['chain_tau']:.3f}")
-    for k in range(k_steps):
-        add(f"P(accept) draft {k + 1}", lambda r, k=k: f"{r['accept_rate'][k]:.3f}")
-    for j in range(1, k_steps + 1):
-        add(f"tau chain length {j}", lambda r, j=j: f"{r['tau_per_chain_length'][str(j)]:.3f}")
-    for g in ("source", "category"):
-        keys = sorted({k for r in results.values() for k in r[f"by_{g}"]})
-        for key in keys:
-            add(f"tau {g}={key}", lambda r, g=g, key=key: (
-                f"{r[f'by_{g}'][key]['tau']:.3f}" if key in r[f"by_{g}"] else "-"))
-    add("positions evaluated", lambda r: str(r["tree"]["positions"] if r["tree"] else r["positions"]))
-    add("samples / tokens", lambda r: f"{r['samples']} / {r['tokens']}")
-    add("stopped: end / off-path", lambda r: (
-        f"{r['stop_reasons']['end']:.3f} / {r['stop_reasons']['off_path']:.3f}"))
-    add("evaluation", lambda r: r["evaluation"])
-    add("eval tokens/s", lambda r: f"{r['tokens_per_s']:.0f}")
-    return rows
-
-
-def format_table(results: dict[str, dict[str, Any]]) -> str:
-    """Plain-text table, one column per checkpoint."""
-    rows = _rows(results)
-    names = list(results)
-    w0 = max(len(label) for label, _ in rows)
-    widths = [max(len(n), *(len(v[i]) for _, v in rows)) for i, n in enumerate(names)]
-    lines = ["  ".join([" " * w0] + [n.rjust(w) for n, w in zip(names, widths, strict=True)])]
-    lines.append("  ".join(["-" * w0] + ["-" * w for w in widths]))
-    for label, vals in rows:
-        lines.append("  ".join([label.ljust(w0)] + [v.rjust(w) for v, w in zip(vals, widths, strict=True)]))
-    first = next(iter(results.values()))
-    lines.append("")
-    lines.append(first["evaluation_note"])
-    return "\n".join(lines)
-
-
-def format_markdown(results: dict[str, dict[str, Any]]) -> str:
-    rows = _rows(results)
-    names = list(results)
-    lines = ["| metric | " + " | ".join(f"`{n}`" for n in names) + " |",
-             "|---|" + "---:|" * len(names)]
-    lines += ["| " + label + " | " + " | ".join(vals) + " |" for label, vals in rows]
-    first = next(iter(results.values()))
-    lines += ["", f"_{first['evaluation_note']}_", ""]
-    return "\n".join(lines)
-
-
-def write_plot(results: dict[str, dict[str, Any]], path: str | Path) -> None:
-    """Two panels: acceptance rate per draft position, and tau against chain length; checkpoints side by side."""
-    plt = pyplot()
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    for name, r in results.items():
-        ks = list(range(1, len(r["accept_rate"]) + 1))
-        a.plot(ks, r["accept_rate"], marker="o", label=name)
-        b.plot(ks, [r["tau_per_chain_length"][str(k)] for k in ks], marker="o", label=name)
-    a.set(xlabel="draft position", ylabel="P(draft accepted)", title="acceptance per draft position", ylim=(0, 1))
-    b.set(xlabel="chain length (steps)", ylabel="tau (accepted + 1)", title="tau against steps")
-    from matplotlib.ticker import MaxNLocator
-
-    for ax in (a, b):
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    atomic_write_png(fig, path)
-
-
 # ----------------------------------------------------------------------------- CLI
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m eval.acceptance",
-        description="Offline acceptance length (SGLang convention: accepted drafts + 1) of EAGLE-3 drafters "
-                    "on a redraft dataset; several checkpoints are shown side by side.",
+        description="Offline acceptance length of EAGLE-3 drafters on a redraft dataset, in the engine's "
+                    "convention (1 + accepted drafts / verify rounds over the positions an engine visits); the "
+                    "mean over every drafting position is shown as a diagnostic. Several checkpoints side by side.",
     )
     p.add_argument("checkpoints", nargs="+", metavar="CKPT",
                    help="run folder (uses its 'latest'), step-XXXXXXX folder, or SGLang/SpecForge drafter folder")
@@ -560,7 +410,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-draft-tokens", type=int, default=None,
                    help="SGLang --speculative-num-draft-tokens (tree budget incl. the root); topk 1 forces steps+1")
     p.add_argument("--temperature", type=float, default=0.0,
-                   help="0 = greedy, exact or lower bound; > 0 = expected acceptance via sum min(p, q)")
+                   help="0 = greedy: the engine walk, exact where the data is the target's greedy output; > 0 = "
+                        "expected acceptance per position (target-only verification of greedy drafts)")
+    p.add_argument("--engine", choices=ENGINES, default=None,
+                   help="whose rules and counters (default: vllm for chains, sglang for trees): sglang adds its "
+                        "per-request meta_info accept length (completion tokens / verify rounds) and is the only "
+                        "tree rule simulated (SGLang's dynamic top-k tree and draft KV slots)"),
+    p.add_argument("--rejection-sampling", action="store_true",
+                   help="T > 0: the opt-in speculative-sampling rule sum min(p, q) (vLLM draft_sample_method="
+                        "probabilistic, SGLang --speculative-use-rejection-sampling) instead of the default "
+                        "target-only rule p_T(draft)")
+    p.add_argument("--max-new-tokens", type=int, default=0,
+                   help="the engine's max_tokens: the walk stops after this many answer tokens (0 = at the end of "
+                        "each stored answer)")
     p.add_argument("--split", choices=("val", "all"), default="val",
                    help="val (default): the held-out ids recorded at training (intersection over checkpoints); "
                         "all: every sample")
@@ -572,7 +434,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-tokens", type=int, default=8192,
                    help="padded tokens (B x T_max) per batch; attention memory grows with B x T^2")
     p.add_argument("--tree-positions", type=int, default=64,
-                   help="trees only: at most N evenly spaced drafting positions per sample (0 = all)")
+                   help="trees only: the per-position diagnostic uses at most N evenly spaced drafting positions "
+                        "per sample (0 = all); the engine walk uses the positions it visits")
     p.add_argument("--json", default=None, help="write all metrics as JSON (a key per checkpoint)")
     p.add_argument("--markdown", default=None, help="write the table as Markdown")
     p.add_argument("--plot", default=None, help="write a PNG: acceptance per draft position and tau against steps")
@@ -587,7 +450,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = Settings(args.steps, args.topk, args.num_draft_tokens, args.temperature, args.batch_tokens,
-                        args.tree_positions, args.teacher)
+                        args.tree_positions, args.teacher, args.engine, args.rejection_sampling,
+                        args.max_new_tokens)
     settings.check()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     reader = DatasetReader(args.data)
@@ -596,8 +460,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     log.info("evaluating %d checkpoint(s) on %d samples (%s split) of %s", len(inspected), len(indices), split,
              args.data)
     lm_head = None
-    if _teacher_kind(reader, args.teacher) == "last_hidden":
-        lm_head = _read_lm_head(reader.manifest, _target_folder(reader.manifest, args.target, args.data), args.device)
+    if teacher_kind(reader, args.teacher) == "last_hidden":
+        lm_head = read_lm_head(reader.manifest, target_folder(reader.manifest, args.target, args.data), args.device)
     results: dict[str, dict[str, Any]] = {}
     for name, ckpt in zip(_names(args.checkpoints), args.checkpoints, strict=True):
         drafter, folder, record = load_drafter(ckpt, reader, target=args.target, device=args.device, dtype=dtype)
@@ -605,7 +469,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                progress=not args.no_progress, desc=folder.name)
         res.update(checkpoint=str(ckpt), resolved=str(folder), split=split, step=(record or {}).get("step"))
         results[name] = res
-        log.info("%s: tau %.3f (%d positions, %.0f tokens/s)", name, res["tau"], res["positions"],
+        log.info("%s: tau %.3f (%s; %d drafting positions, %.0f tokens/s)", name, res["tau"], res["tau_estimator"],
+                 res["positions"],
                  res["tokens_per_s"])
         del drafter
     print(format_table(results), flush=True)

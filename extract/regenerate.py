@@ -23,6 +23,7 @@ from extract.backends.base import GenerationConfig, TargetBackend
 from extract.chat import encode_prompt, generation_prompt, stop_token_ids
 from extract.generated import prompt_sha256
 from extract.records import Generation, Message, Record
+from extract.regen_engines import BackendRegenerator, Regenerator
 
 log = logging.getLogger(__name__)
 
@@ -85,16 +86,19 @@ def _turns(record: Record) -> tuple[list[Message], list[Message]]:
 
 def regenerate_records(
     backend: TargetBackend, records: Sequence[Record], gen: GenerationConfig, *, max_length: int,
-    max_user_turns: int = 0,
+    max_user_turns: int = 0, regenerator: Regenerator | None = None,
 ) -> list[Record]:
     """Return the records with every assistant turn written by the target (ids in `Message.generation`).
 
-    Batched across records at each turn index; prompts are sorted by length inside a
-    turn so batches pad little, and the order is fixed so reruns generate the same text.
+    Batched across records at each turn index: every prompt of a turn goes to the regenerator at
+    once (``extract.regen_engines``; default: the backend's own generate, ``gen.batch_size`` at a
+    time), sorted by length so batches pad little, in a fixed order so reruns generate the same ids.
+    Each reply may use up to ``gen.max_new_tokens`` and no more than max_length leaves after its prompt.
     A conversation whose prompt no longer fits in max_length keeps the turns it has, ending
     with the unanswered user turn (one left with no assistant turn is later skipped as having
     no loss tokens).
     """
+    regenerator = regenerator or BackendRegenerator(backend)
     tokenizer = backend.tokenizer
     stops = stop_token_ids(tokenizer)
     markers = think_markers(tokenizer)
@@ -118,15 +122,13 @@ def regenerate_records(
                 continue
             prompts[i] = ids
         order = sorted(prompts, key=lambda i: (len(prompts[i]), i))
+        budgets = [max(1, min(gen.max_new_tokens, max_length - len(prompts[i]))) for i in order]
+        outputs = regenerator.generate([prompts[i] for i in order], budgets, gen, stops)
         cut = 0
-        for start in range(0, len(order), gen.batch_size):
-            chunk = order[start : start + gen.batch_size]
-            budget = max(1, min(gen.max_new_tokens, max_length - max(len(prompts[i]) for i in chunk)))
-            outputs = backend.generate([prompts[i] for i in chunk], replace(gen, max_new_tokens=budget), stops)
-            for i, new_ids in zip(chunk, outputs, strict=True):
-                reply = generated_message(tokenizer, histories[i], prompts[i], new_ids, stops, markers)
-                histories[i].append(reply)
-                cut += reply.generation is not None and reply.generation.finish_reason == "length"
+        for i, new_ids in zip(order, outputs, strict=True):
+            reply = generated_message(tokenizer, histories[i], prompts[i], new_ids, stops, markers)
+            histories[i].append(reply)
+            cut += reply.generation is not None and reply.generation.finish_reason == "length"
         log.info("regenerated turn %d for %d conversations (%d cut at the token limit)", turn + 1, len(prompts), cut)
         active = [i for i in prompts if pending[i]]
         turn += 1

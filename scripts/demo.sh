@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `make demo`: the pipeline on the embedded default (SmolLM2-135M-Instruct), on this machine's CPUs.
 #   extract (the target regenerates chitchat answers) -> verify -> train (2 DeepSpeed CPU processes)
-#   -> offline acceptance on the held-out split -> export for SGLang
+#   -> offline acceptance on the held-out split -> export for SGLang and vLLM
 # Sizes live in configs/demo/*.yaml; DEMO_OUT (default demo-out) is where everything goes.
 # DEMO_SCALE=small|default|large or a multiplier (e.g. 0.5, 2) resizes the run: samples, regenerated
 # tokens, train steps (small ~1/3 of default's time, large ~3x); a non-default scale writes to
@@ -46,7 +46,8 @@ echo "== 4/5 offline acceptance (held-out split recorded at training)"
 "$PY" -m eval.acceptance "$OUT/drafter" --data "$OUT/data" --steps 5 --no-progress \
   --json "$OUT/acceptance.json" --markdown "$OUT/acceptance.md" --plot "$OUT/acceptance.png"
 
-echo "== 5/5 export for SGLang"
+echo "== 5/5 export for SGLang and vLLM"
 "$PY" -m eval.export "$OUT/drafter" "$OUT/export-sglang" --format sglang --force
+"$PY" -m eval.export "$OUT/drafter" "$OUT/export-vllm" --format vllm --force
 
-echo "== done in $(( $(date +%s) - start )) s: dataset $OUT/data, checkpoint $OUT/drafter/$(cat "$OUT/drafter/latest"), exported drafter $OUT/export-sglang"
+echo "== done in $(( $(date +%s) - start )) s: dataset $OUT/data, checkpoint $OUT/drafter/$(cat "$OUT/drafter/latest"), exported drafters $OUT/export-sglang, $OUT/export-vllm"

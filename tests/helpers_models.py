@@ -109,6 +109,20 @@ def make_tiny_llama(
     return _save(AutoModelForCausalLM.from_config(cfg), tok, path)
 
 
+def make_kimi_shaped_standin(path: str | Path, *, hidden_size: int = 7168, num_layers: int = 4, seed: int = 0) -> Path:
+    """Kimi-K2.5's hidden size on an otherwise tiny Llama, for memory measurements of the extraction.
+
+    Captured features are Kimi-sized (3 aux layers x 7168 fp32 = 86 KB per token) while the weights stay
+    small: one attention head of 16 dims, a 16-wide MLP and the tiny Kimi-style tokenizer's vocab (~40 MB).
+    """
+    tok = build_chat_tokenizer("kimi_k25")
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=_vocab(tok, None), hidden_size=hidden_size, intermediate_size=16,
+                      num_hidden_layers=num_layers, num_attention_heads=1, num_key_value_heads=1, head_dim=16,
+                      max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=False)
+    return _save(AutoModelForCausalLM.from_config(cfg), tok, path)
+
+
 def make_tiny_deepseek_v3(
     path: str | Path, vocab_size: int | None = None, num_layers: int = 6, *, seed: int = 0, chat: str = "deepseek_v3"
 ) -> Path:

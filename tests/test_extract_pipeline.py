@@ -106,23 +106,24 @@ def test_manifest_and_features_match_the_target(reference_run, tiny_target, chat
 
 
 def test_rerun_after_interruption_is_byte_identical(reference_run, tiny_target, chat_file, tmp_path, monkeypatch):
-    import extract.pipeline as pipeline
+    from core.dataset.writer import ShardWriter
 
     out = tmp_path / "ds"
-    real_write = pipeline.write_shard
+    real_finish = ShardWriter.finish
     calls = {"n": 0}
 
-    def failing_write(*args, **kwargs):
+    def failing_finish(self, *args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 3:
             raise KeyboardInterrupt("killed mid-run")
-        return real_write(*args, **kwargs)
+        return real_finish(self, *args, **kwargs)
 
-    monkeypatch.setattr(pipeline, "write_shard", failing_write)
+    monkeypatch.setattr(ShardWriter, "finish", failing_finish)
     with pytest.raises(KeyboardInterrupt):
         run_extraction(_cfg(tiny_target, chat_file, out, teacher=["topk", "last_hidden"]))
     assert not (out / MANIFEST_NAME).exists()
-    monkeypatch.setattr(pipeline, "write_shard", real_write)
+    assert sorted(p.name for p in (out / "shards").iterdir()) == [f"shard-00000{i}.safetensors" for i in range(2)]
+    monkeypatch.setattr(ShardWriter, "finish", real_finish)
     summary = run_extraction(_cfg(tiny_target, chat_file, out, teacher=["topk", "last_hidden"]))
     assert summary.shards_reused == 2 and summary.shards_written == 2
     assert _files(out) == _files(reference_run)
@@ -170,7 +171,7 @@ def test_fp8_and_regeneration(tiny_target, tmp_path):
                                   hidden_dtype="fp8", samples_per_shard=2))
     manifest = summary.manifest
     assert manifest is not None and manifest["hidden_dtype"] == "fp8"
-    assert manifest["generation"] == {"temperature": 0.0, "top_p": 1.0, "max_new_tokens": 6, "seed": 0}
+    assert manifest["generation"] == {"temperature": 0.0, "top_p": 1.0, "max_new_tokens": 6, "seed": 0, "backend": "hf"}
     regenerated = read_records([out / "regenerated.jsonl"]).records
     assert [r.id for r in regenerated] == [f"p{i}" for i in range(5)]
     assert all([m.role for m in r.messages] == ["user", "assistant", "user", "assistant"] for r in regenerated)

@@ -9,10 +9,13 @@ and the layer-id conversion.
 
 from __future__ import annotations
 
+import ast
+import asyncio
 import dataclasses
 import importlib.util
 import sys
 import types
+import weakref
 from pathlib import Path
 
 import pytest
@@ -26,7 +29,7 @@ from extract.backends.sglang import (
     SGLangTarget,
     build_engine_kwargs,
     capture_request,
-    check_lengths,
+    check_response,
     check_teacher,
     generation_request,
     is_multimodal_config,
@@ -114,7 +117,13 @@ def test_multimodal_detection():
     assert not is_multimodal_config({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 30})
 
 
-@pytest.mark.skipif(not HAVE_SGLANG, reason="checks names against an installed SGLang (GPU machines)")
+# ---------------------------------------------------------------------------------------------------------
+# Against the real SGLang 0.5.23 (marked `sglang`: skipped where it is not installed, run by the conformance
+# lane in its engine venv, where a missing SGLang fails them; see tests/conftest.py)
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.sglang
 def test_engine_kwargs_are_real_server_args_fields():
     from sglang.srt.server_args import ServerArgs
 
@@ -126,15 +135,82 @@ def test_engine_kwargs_are_real_server_args_fields():
     assert set(kw) <= fields, sorted(set(kw) - fields)
 
 
+@pytest.mark.sglang
+def test_engine_kwargs_pass_sglangs_own_aux_capture_validation(tmp_path):
+    from helpers_models import make_tiny_llama
+    from sglang.srt.arg_groups.validation_hook import handle_aux_hidden_state_capture
+    from sglang.srt.server_args import ServerArgs
+
+    path = make_tiny_llama(tmp_path / "llama", num_layers=8)
+    ids = layers.to_engine_layer_ids([1, 3, 4], "sglang", "LlamaForCausalLM")
+    kw = build_engine_kwargs(str(path), engine_layer_ids=ids, architecture="LlamaForCausalLM", max_length=256)
+    args = ServerArgs(**kw, device="cpu")  # no GPU here; everything else is what SGLangTarget starts
+    assert (args.enable_return_aux_hidden_states, args.return_aux_hidden_state_layer_ids) == (True, ids)
+    assert args.disable_radix_cache and args.chunked_prefill_size == -1 and args.skip_tokenizer_init
+    handle_aux_hidden_state_capture(args)  # SGLang's check of capture without a draft model
+    with pytest.raises(ValueError, match="without a draft"):  # the check does refuse what would break capture
+        handle_aux_hidden_state_capture(ServerArgs(**{**kw, "speculative_draft_model_path": str(path)}, device="cpu"))
+
+
+@pytest.mark.sglang
+def test_language_model_only_copy_matches_the_installed_sglang():
+    from sglang.srt.server_args import ServerArgs
+
+    assert tuple(ServerArgs.LANGUAGE_MODEL_ONLY_ARCHITECTURES) == LANGUAGE_MODEL_ONLY_ARCHITECTURES
+
+
+def _engine_source() -> ast.ClassDef:
+    """sglang.Engine's class definition, parsed from the installed source.
+
+    Importing sglang.Engine pulls its HTTP server and scheduler stack (uvicorn, setproctitle, ...), which the
+    engine venv (built for the loaders) does not have; the class body is what matters here.
+    """
+    spec = importlib.util.find_spec("sglang.srt.entrypoints.engine")
+    assert spec is not None and spec.origin is not None
+    tree = ast.parse(Path(spec.origin).read_text())
+    return next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Engine")
+
+
+def _params(cls: ast.ClassDef, name: str) -> set[str]:
+    fn = next(n for n in cls.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.name == name)
+    return {a.arg for a in fn.args.args + fn.args.kwonlyargs}
+
+
+@pytest.mark.sglang
+def test_requests_are_what_the_real_engine_accepts():
+    from sglang.srt.managers.io_struct import GenerateReqInput
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    engine = _engine_source()
+    assert any(isinstance(n, ast.AsyncFunctionDef) and n.name == "async_generate" for n in engine.body)
+    init = next(n for n in engine.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    assert "self.loop" in {ast.unparse(t) for n in ast.walk(init) if isinstance(n, ast.Assign) for t in n.targets}
+
+    capture = capture_request([1, 2, 3], 8)
+    assert set(capture) <= _params(engine, "async_generate"), sorted(set(capture) - _params(engine, "async_generate"))
+    req = GenerateReqInput(**capture)
+    req.normalize_batch_and_arguments()
+    assert req.is_single and req.return_hidden_states is True and req.logprob_start_len == 0
+    SamplingParams(**capture["sampling_params"])
+
+    gen = generation_request([[1, 2], [3]], GenerationConfig(temperature=0.7, top_p=0.9, seed=3), [2])
+    assert set(gen) <= _params(engine, "generate")
+    req = GenerateReqInput(**gen)
+    req.normalize_batch_and_arguments()
+    assert not req.is_single and req.batch_size == 2
+    params = SamplingParams(**gen["sampling_params"])
+    assert params.sampling_seed == 3 and params.no_stop_trim and set(params.stop_token_ids) == {2}
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Requests
 # ---------------------------------------------------------------------------------------------------------
 
 
 def test_capture_request_asks_for_prompt_logprobs_and_hidden_states():
-    req = capture_request([[1, 2, 3], [4]], 8)
+    req = capture_request([1, 2, 3], 8)
     assert req == {
-        "input_ids": [[1, 2, 3], [4]], "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+        "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
         "return_hidden_states": True, "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 8,
     }
 
@@ -207,17 +283,18 @@ def test_parse_capture_errors_are_specific():
         parse_capture_output(resp, 3)
 
 
-def test_check_lengths_catches_dropped_tokens():
-    prompts = [[1] * 5, [2] * 3]
-    check_lengths(prompts, [_response(5, 4, 2), _response(3, 4, 2)])
-    with pytest.raises(ValueError, match="chunked prefill"):
-        check_lengths(prompts, [_response(5, 4, 2, hidden_rows=2), _response(3, 4, 2)])
+def test_check_response_catches_dropped_tokens():
+    check_response(0, [1] * 5, _response(5, 4, 2))
+    with pytest.raises(ValueError, match="sample #0.*chunked prefill"):
+        check_response(0, [1] * 5, _response(5, 4, 2, hidden_rows=2))
     with pytest.raises(ValueError, match="sample #1.*radix cache"):
-        check_lengths(prompts, [_response(5, 4, 2), _response(3, 4, 2, cached=2)])
-    with pytest.raises(ValueError, match="1 responses for 2 prompts"):
-        check_lengths(prompts, [_response(5, 4, 2)])
+        check_response(1, [2] * 3, _response(3, 4, 2, cached=2))
     with pytest.raises(ValueError, match="prompt_tokens=5"):
-        check_lengths([[1] * 4], [_response(5, 4, 2)])
+        check_response(0, [1] * 4, _response(5, 4, 2))
+    bad = _response(3, 4, 2)
+    bad["meta_info"]["input_top_logprobs"] = bad["meta_info"]["input_top_logprobs"][:2]
+    with pytest.raises(ValueError, match="2 input_top_logprobs rows for 3"):
+        check_response(0, [1] * 3, bad)
 
 
 def test_parse_generate_output_ends_with_the_matched_stop():
@@ -280,11 +357,17 @@ def test_target_info_custom_ids_and_errors(tiny_models, tmp_path):
 # ---------------------------------------------------------------------------------------------------------
 
 
+class _Rows(list):
+    """A response's hidden-state rows (a list, as SGLang sends them) that a weak reference can watch."""
+
+
 class _StandInEngine:
     """Answers like sglang.Engine does for a llama-family target, computed with transformers.
 
     Capture point (sglang/srt/models/llama.py::set_eagle3_layers_to_capture): engine id v is captured
-    at the input of layer v + 1, i.e. HF hidden_states[v + 1].
+    at the input of layer v + 1, i.e. HF hidden_states[v + 1]. Like the real engine it owns an event loop
+    (``loop``) that ``async_generate`` runs on; its answers arrive staggered (request i after i steps),
+    and it records how many earlier responses' hidden-state lists are still alive when each one is made.
     """
 
     started: list[dict] = []
@@ -296,6 +379,10 @@ class _StandInEngine:
         self.kwargs = kwargs
         self.model = AutoModelForCausalLM.from_pretrained(kwargs["model_path"], dtype=torch.float32).eval()
         self.shut = False
+        self.loop = asyncio.new_event_loop()
+        self.in_flight = self.max_in_flight = 0
+        self.lists: list[weakref.ref] = []
+        self.max_lists_alive = 0
         _StandInEngine.started.append(kwargs)
 
     def _one_capture(self, ids: list[int], k: int) -> dict:
@@ -309,7 +396,7 @@ class _StandInEngine:
                                                                                        strict=True)]
         return {
             "output_ids": [int(idx[-1, 0])],
-            "meta_info": {"prompt_tokens": len(ids), "cached_tokens": 0, "hidden_states": [aux.tolist()],
+            "meta_info": {"prompt_tokens": len(ids), "cached_tokens": 0, "hidden_states": [_Rows(aux.tolist())],
                           "input_top_logprobs": [None, *rows[:-1]], "output_top_logprobs": [rows[-1]],
                           "finish_reason": {"type": "length", "length": 1}},
         }
@@ -327,16 +414,40 @@ class _StandInEngine:
                 break
         return {"output_ids": new, "meta_info": {"finish_reason": finish}}
 
-    def generate(self, input_ids, sampling_params, return_hidden_states=False, return_logprob=False,
-                 logprob_start_len=None, top_logprobs_num=None):
-        assert not self.shut
+    def _answer(self, ids, sampling_params, return_hidden_states, return_logprob, logprob_start_len,
+                top_logprobs_num) -> dict:
         if return_hidden_states:
             assert return_logprob and logprob_start_len == 0 and sampling_params["max_new_tokens"] == 1
-            return [self._one_capture(ids, top_logprobs_num) for ids in input_ids]
-        return [self._one_generation(ids, sampling_params) for ids in input_ids]
+            self.max_lists_alive = max(self.max_lists_alive, sum(r() is not None for r in self.lists))
+            out = self._one_capture(ids, top_logprobs_num)
+            self.lists.append(weakref.ref(out["meta_info"]["hidden_states"][0]))
+            return out
+        return self._one_generation(ids, sampling_params)
+
+    def generate(self, input_ids, sampling_params, return_hidden_states=False, return_logprob=False,
+                 logprob_start_len=None, top_logprobs_num=None):
+        """A batch: every response is gathered before any is returned (as in SGLang)."""
+        assert not self.shut
+        return [self._answer(ids, sampling_params, return_hidden_states, return_logprob, logprob_start_len,
+                             top_logprobs_num) for ids in input_ids]
+
+    async def async_generate(self, input_ids, sampling_params, return_hidden_states=False, return_logprob=False,
+                             logprob_start_len=None, top_logprobs_num=None):
+        """One sequence (a flat id list gives a dict back, as in SGLang), answered after its turn comes."""
+        assert not self.shut and input_ids and all(isinstance(t, int) for t in input_ids)
+        assert asyncio.get_running_loop() is self.loop
+        order = self.in_flight
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        for _ in range(order + 1):  # request i answers after the ones before it
+            await asyncio.sleep(0)
+        self.in_flight -= 1
+        return self._answer(input_ids, sampling_params, return_hidden_states, return_logprob, logprob_start_len,
+                            top_logprobs_num)
 
     def shutdown(self):
         self.shut = True
+        self.loop.close()
 
 
 @pytest.fixture
@@ -361,13 +472,19 @@ def test_backend_end_to_end_matches_hf(tiny_models, stand_in_sglang):
     hf = HFTarget(path, name="tiny")
     assert target.info == hf.info
 
-    batch = [[1, 40, 41, 42, 43, 44], [1, 50, 51]]
+    batch = [[1, 40, 41, 42, 43, 44], [1, 50, 51], [1, 60], [1, 61, 62, 63], [1, 70, 71, 72, 73, 74, 75]]
     teacher = TeacherSpec(kinds=("topk",), topk=4)
     ours, ref = target.capture(batch, teacher), hf.capture(batch, teacher)
     for a, b in zip(ours, ref, strict=True):
+        assert a.aux_hidden.dtype == torch.float32
         torch.testing.assert_close(a.aux_hidden, b.aux_hidden, atol=1e-4, rtol=1e-4)
         assert torch.equal(a.topk_ids, b.topk_ids)
         torch.testing.assert_close(a.topk_logprobs, b.topk_logprobs, atol=1e-4, rtol=1e-4)
+    engine = target.engine
+    assert engine.max_in_flight == len(batch)  # every sequence was sent at once: the engine batches them
+    # each response became tensors as it arrived: no earlier response's hidden-state lists were still alive
+    assert engine.max_lists_alive == 0
+    assert all(r() is None for r in engine.lists)
     with pytest.raises(ValueError, match="last_hidden"):
         target.capture(batch, TeacherSpec(kinds=("topk", "last_hidden")))
     with pytest.raises(ValueError, match="max_length=64"):

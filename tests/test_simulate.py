@@ -89,8 +89,13 @@ def ref_chain(drafter, ids, aux, lm, tgt, n_tok, p, steps):
     return n, sim.FULL
 
 
-def ref_tree(drafter, ids, aux, lm, tgt, n_tok, p, topk, num_draft_tokens, steps):
-    """SGLang EAGLE tree built node by node with python lists, verified greedily."""
+def ref_tree_nodes(drafter, ids, aux, p, topk, num_draft_tokens, steps, attention="slots"):
+    """The verified nodes of an SGLang EAGLE tree at p, built node by node with python lists.
+
+    attention "slots" (SGLang's draft KV): the frontier node in slot j (its rank) attends to the
+    prefix and the keys written by slot j at earlier depths, whatever its parent was. "ancestors"
+    (the EAGLE tree mask) is kept here only to show the two differ.
+    """
     h0, pre_k, pre_v = ref_prefix(drafter, ids, aux, p)
     probs = torch.softmax(drafter.compute_logits(h0).float(), -1)
     sc, di = probs.topk(topk)
@@ -100,17 +105,25 @@ def ref_tree(drafter, ids, aux, lm, tgt, n_tok, p, topk, num_draft_tokens, steps
         node = dict(score=s, tok=d + int(drafter.d2t[d]), parent=None, depth=1, hin=h0, anc=([], []))
         cands.append(node)
         frontier.append(node)
+    slot_k, slot_v = [[] for _ in range(topk)], [[] for _ in range(topk)]
     for depth in range(2, steps + 1):
         children = []
-        for f in frontier:
-            h, k, v = ref_token(drafter, f["tok"], f["hin"], p + depth - 1, pre_k + f["anc"][0], pre_v + f["anc"][1])
+        for j, f in enumerate(frontier):
+            seen_k, seen_v = (slot_k[j], slot_v[j]) if attention == "slots" else f["anc"]
+            h, k, v = ref_token(drafter, f["tok"], f["hin"], p + depth - 1, pre_k + seen_k, pre_v + seen_v)
+            slot_k[j], slot_v[j] = slot_k[j] + [k], slot_v[j] + [v]
             cp, ci = torch.softmax(drafter.compute_logits(h).float(), -1).topk(topk)
             for s, d in zip(cp.tolist(), ci.tolist(), strict=True):
                 children.append(dict(score=f["score"] * s, tok=d + int(drafter.d2t[d]), parent=f, depth=depth,
                                      hin=h, anc=(f["anc"][0] + [k], f["anc"][1] + [v])))
         cands += children
         frontier = sorted(children, key=lambda c: -c["score"])[:topk]
-    chosen = sorted(cands, key=lambda c: -c["score"])[: num_draft_tokens - 1]
+    return sorted(cands, key=lambda c: -c["score"])[: num_draft_tokens - 1]
+
+
+def ref_tree(drafter, ids, aux, lm, tgt, n_tok, p, topk, num_draft_tokens, steps):
+    """SGLang's tree at p (slot attention), verified greedily: (accepted, reason)."""
+    chosen = ref_tree_nodes(drafter, ids, aux, p, topk, num_draft_tokens, steps)
     cur, n = None, 0
     for k in range(steps):
         end, path = ref_evaluable(ids, lm, tgt, n_tok, p, k)
@@ -123,6 +136,14 @@ def ref_tree(drafter, ids, aux, lm, tgt, n_tok, p, topk, num_draft_tokens, steps
             return n, sim.MISS
         cur, n = nxt[0], n + 1
     return n, sim.FULL
+
+
+def _path(node):
+    out = []
+    while node is not None:
+        out.append(node["tok"])
+        node = node["parent"]
+    return tuple(reversed(out))
 
 
 # ----------------------------------------------------------------------------- fixtures
@@ -234,6 +255,41 @@ def test_tree_with_topk_1_is_the_chain(drafter, case):
     assert torch.equal(tres.reason, res.reason)
 
 
+@torch.no_grad()
+def test_tree_draft_attention_is_sglangs_slots(drafter):
+    """Targets along a path that exists only under SGLang's slot attention: the simulation accepts it
+    (under the EAGLE ancestor mask that path is not in the tree)."""
+    topk, steps = 2, 5
+    budget = topk + (steps - 1) * topk * topk + 1  # every candidate is verified
+    case = make_case(drafter, [24], steps=3, seed=11)
+    ids, aux = case["input_ids"][0].clone(), case["aux_hidden"][0]
+    found = None
+    for p in range(2, 24 - steps - 2):
+        slots = {_path(c) for c in ref_tree_nodes(drafter, ids, aux, p, topk, budget, steps)}
+        anc = {_path(c) for c in ref_tree_nodes(drafter, ids, aux, p, topk, budget, steps, "ancestors")}
+        only = sorted(slots - anc, key=len)
+        if only:
+            found = (p, only[0])
+            break
+    assert found is not None, "no position where the two draft attentions give different trees"
+    p, path = found
+    tgt = case["target_ids"][0].clone()
+    for k, tok in enumerate(path):  # argmax rows p+1.. follow the path, and the data follows the argmax
+        tgt[p + 1 + k] = tok
+        ids[p + 2 + k] = tok
+    one = {k: v[:1].clone() for k, v in case.items()}
+    one["input_ids"][0], one["target_ids"][0] = ids, tgt
+    _, s0 = sim.simulate_chain_greedy(drafter, input_ids=one["input_ids"], aux_hidden=one["aux_hidden"],
+                                      attention_mask=one["attention_mask"], loss_mask=one["loss_mask"],
+                                      target_ids=one["target_ids"], steps=steps)
+    where = torch.zeros_like(one["loss_mask"])
+    where[0, p] = True
+    tres = sim.simulate_tree(drafter, s0, input_ids=one["input_ids"], loss_mask=one["loss_mask"],
+                             target_ids=one["target_ids"], positions=where, topk=topk, num_draft_tokens=budget,
+                             steps=steps)
+    assert int(tres.accepted[0]) >= len(path) >= 2
+
+
 def test_tree_budget_is_checked(drafter, case):
     _, s0 = _chain(drafter, case, 1)
     with pytest.raises(ValueError, match="num_draft_tokens=12"):
@@ -254,7 +310,9 @@ def test_tree_positions_are_deterministic_and_capped():
 
 
 @torch.no_grad()
-def test_sampled_chain_matches_direct_computation(drafter, case):
+@pytest.mark.parametrize("rule", ["rejection", "target_only"])
+def test_sampled_chain_matches_direct_computation(drafter, case, rule):
+    """rejection: alpha = sum min(p, q_T); target_only (the engines' default): alpha = p(argmax q)."""
     temperature = 0.7
     g = torch.Generator().manual_seed(9)
     bsz, seq = case["input_ids"].shape
@@ -262,7 +320,7 @@ def test_sampled_chain_matches_direct_computation(drafter, case):
     teacher_p = torch.softmax(torch.randn(bsz, seq, vd, generator=g) * 2, -1) * 0.9  # 10% outside the draft vocab
     res = sim.simulate_chain_sampled(drafter, input_ids=case["input_ids"], aux_hidden=case["aux_hidden"],
                                      attention_mask=case["attention_mask"], loss_mask=case["loss_mask"],
-                                     teacher_p=teacher_p, temperature=temperature, steps=STEPS)
+                                     teacher_p=teacher_p, temperature=temperature, steps=STEPS, rule=rule)
     for i in range(len(res.sample)):
         b, p = int(res.sample[i]), int(res.position[i])
         n_tok = int(case["attention_mask"][b].sum())
@@ -276,12 +334,19 @@ def test_sampled_chain_matches_direct_computation(drafter, case):
             if j > 0:  # along the data path: the drafter reads data token p+1+j
                 h, kk, vv = ref_token(drafter, int(ids[p + 1 + j]), h, p + j, keys, values)
                 keys, values = keys + [kk], values + [vv]
-            q = torch.softmax(drafter.compute_logits(h).float() / temperature, -1)
-            alpha = float(torch.minimum(q, teacher_p[b, p + 1 + j]).sum())
+            logits = drafter.compute_logits(h).float()
+            if rule == "rejection":
+                alpha = float(torch.minimum(torch.softmax(logits / temperature, -1), teacher_p[b, p + 1 + j]).sum())
+            else:
+                alpha = float(teacher_p[b, p + 1 + j][int(logits.argmax())])
             run *= alpha
             expected += run
         assert float(res.accepted[i]) == pytest.approx(expected, abs=1e-5)
     assert float(res.accepted.mean()) > 0
+    with pytest.raises(ValueError, match="rule"):
+        sim.simulate_chain_sampled(drafter, input_ids=case["input_ids"], aux_hidden=case["aux_hidden"],
+                                   attention_mask=case["attention_mask"], loss_mask=case["loss_mask"],
+                                   teacher_p=teacher_p, temperature=temperature, steps=STEPS, rule="nope")
 
 
 @torch.no_grad()

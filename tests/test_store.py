@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import os
 import pickle
 import struct
+import weakref
 from pathlib import Path
 
 import pytest
@@ -27,7 +30,8 @@ from core.dataset.format import (
 )
 from core.dataset.fp8 import dequantize_fp8
 from core.dataset.reader import DatasetReader
-from core.dataset.writer import finalize_dataset, read_shard_info, write_shard
+from core.dataset.safetensors_bytes import serialize
+from core.dataset.writer import ShardWriter, finalize_dataset, read_shard_info, write_shard
 
 FLOOR = torch.finfo(torch.float32).min
 
@@ -523,3 +527,94 @@ def test_bytes_per_token_matches_real_shards(tmp_path, hidden_dtype, kinds):
     payload = len(data) - 8 - header_len - 8 * (info.num_samples + 1)  # minus sample_offsets
     assert payload / info.num_tokens == bytes_per_token(32, 3, hidden_dtype, kinds, topk or 0)
     assert bytes_per_token(7168, 3, "bf16", ("topk",), 64) == 5 + 3 * 7168 * 2 + 64 * 8
+
+
+# ----------------------------------------------------------------------------- streamed writing
+
+
+def _in_memory_shard(samples, hidden_dtype: str) -> bytes:
+    """The shard as one in-memory serialisation of the concatenated rows (what the writer must stream)."""
+    from core.dataset.format import clamp_logprobs
+    from core.dataset.fp8 import encode_hidden, put_hidden
+
+    tensors = {"sample_offsets": torch.tensor([0, *torch.tensor([len(s.input_ids) for s in samples]).cumsum(0)])}
+    tensors["input_ids"] = torch.cat([s.input_ids.to(torch.int32) for s in samples])
+    tensors["loss_mask"] = torch.cat([s.loss_mask.to(torch.uint8) for s in samples])
+    put_hidden(tensors, "aux", [encode_hidden(s.aux_hidden, hidden_dtype, 3) for s in samples])
+    tensors["topk_ids"] = torch.cat([s.topk_ids.to(torch.int32) for s in samples])
+    tensors["topk_logprobs"] = torch.cat([clamp_logprobs(s.topk_logprobs) for s in samples])
+    put_hidden(tensors, "last", [encode_hidden(s.last_hidden, hidden_dtype, 1) for s in samples])
+    meta = [{"id": s.sample_id, "source": s.source, "category": s.category, "num_tokens": len(s.input_ids),
+             "num_loss_tokens": int(s.loss_mask.sum()), "truncated": False} for s in samples]
+    return serialize(tensors, {"format_version": "1", "hidden_dtype": hidden_dtype, "num_aux": "3",
+                               "samples": json.dumps(meta, sort_keys=True, separators=(",", ":")),
+                               "skipped": json.dumps({"x": 1}, separators=(",", ":"))})
+
+
+@pytest.mark.parametrize("hidden_dtype", ["bf16", "fp8"])
+def test_streamed_shard_equals_the_in_memory_layout_whatever_the_arrival_order(tmp_path, hidden_dtype):
+    # 300 rows cross the writer's 256-row encoding blocks; a 0-token sample is legal
+    samples = [make_sample(f"s{i}", n, last_hidden=True, seed=i) for i, n in enumerate([7, 1, 300, 3, 9, 0])]
+    want = _in_memory_shard(samples, hidden_dtype)
+    for name, order in (("in-order", [0, 1, 2, 3, 4, 5]), ("shuffled", [2, 5, 4, 0, 3, 1])):
+        with ShardWriter(tmp_path / name, 0, hidden_dtype=hidden_dtype, num_aux=3) as w:
+            for i in order:
+                w.add(samples[i], position=10 * i)  # positions order the file; gaps are fine
+            info = w.finish({"x": 1})
+        data = (tmp_path / name / info.path).read_bytes()
+        assert data == want, name
+        assert info.sha256 == hashlib.sha256(data).hexdigest() and info.num_tokens == 320
+        assert read_shard_info(tmp_path / name, 0) == info
+
+
+def test_writer_spills_next_to_the_shard_keeps_no_rows_and_cleans_up(tmp_path):
+    shards = tmp_path / "shards"
+    w = ShardWriter(tmp_path, 3, hidden_dtype="fp8", num_aux=3)
+    sample = make_sample("a", 6, last_hidden=True)
+    rows = sample.aux_hidden.numpy().copy()
+    sample.aux_hidden = torch.from_numpy(rows)  # the tensor, and any view of it, keeps `rows` alive
+    alive = weakref.ref(rows)
+    del rows
+    w.add(sample)
+    del sample
+    assert alive() is None  # the writer kept nothing of the sample's features, not even a view
+    spills = sorted(p.name for p in shards.iterdir())
+    # hidden temp names the pipeline's stale-temp cleanup (".shard-NNNNNN.safetensors.tmp-*") matches
+    assert spills and all(p.startswith(".shard-000003.safetensors.tmp-") for p in spills), spills
+    assert {p.rsplit(".", 1)[1] for p in spills} == {"input_ids", "loss_mask", "aux_hidden", "aux_scale",
+                                                      "topk_ids", "topk_logprobs", "last_hidden", "last_scale"}
+    w.add(make_sample("b", 2, last_hidden=True, seed=1))
+    w.finish()
+    assert sorted(p.name for p in shards.iterdir()) == ["shard-000003.safetensors"]
+    with pytest.raises(RuntimeError, match="closed"):
+        w.add(make_sample("c", 2, last_hidden=True))
+
+    w = ShardWriter(tmp_path, 4, hidden_dtype="bf16", num_aux=3)
+    w.add(make_sample("a", 3))
+    with pytest.raises(ValueError, match="'b'.*topk width"):
+        w.add(make_sample("b", 3, topk=5))  # a bad sample aborts the shard: nothing of it stays
+    assert sorted(p.name for p in shards.iterdir()) == ["shard-000003.safetensors"]
+    with ShardWriter(tmp_path, 5, hidden_dtype="bf16", num_aux=3) as w, pytest.raises(ValueError, match="taken"):
+        w.add(make_sample("a", 3), position=0)
+        w.add(make_sample("b", 3), position=0)
+    assert sorted(p.name for p in shards.iterdir()) == ["shard-000003.safetensors"]
+
+
+def test_disk_full_while_spilling_names_the_shard_and_leaves_nothing(tmp_path, monkeypatch):
+    import core.dataset.writer as writer_module
+
+    class Full:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def close(self):
+            self.f.close()
+
+    monkeypatch.setattr(writer_module, "open", lambda *a, **kw: Full(open(*a, **kw)), raising=False)
+    with pytest.raises(OSError, match="No space left") as e:
+        write_shard(tmp_path, 2, [make_sample("a", 4)], hidden_dtype="bf16", num_aux=3)
+    assert e.value.filename == str(tmp_path / shard_relpath(2))
+    assert list((tmp_path / "shards").iterdir()) == []

@@ -3,29 +3,35 @@
 Why it looks like this: a shard is the unit of resume, so it is written atomically (temporary
 name, fsync, rename) and a file at a final name is always complete; reruns must be
 byte-identical, so shard bytes depend only on the inputs and the manifest is canonical JSON.
+A shard can be far larger than memory (tens of GB at Kimi-K2.5's hidden size), so it is written
+as its samples arrive (:class:`ShardWriter`): each is encoded and spilled to disk at once.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
+import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from safetensors import SafetensorError, safe_open
 
-from core.atomic import atomic_write_bytes
+from core.atomic import atomic_open, atomic_write_bytes, temp_name
 from core.dataset.format import (
     COUNTS_NAME,
     FORMAT_VERSION,
     MANIFEST_NAME,
+    ROW_BLOCK,
     DatasetError,
     SampleFeatures,
     ShardHeader,
     ShardInfo,
+    all_finite,
     check_hidden_dtype,
     clamp_logprobs,
     feature_layout,
@@ -35,9 +41,11 @@ from core.dataset.format import (
     shard_relpath,
 )
 from core.dataset.fp8 import encode_hidden, put_hidden
-from core.dataset.safetensors_bytes import serialize
+from core.dataset.safetensors_bytes import data_order, header_bytes, serialize, tensor_bytes
 
 logger = logging.getLogger(__name__)
+
+_COPY_CHUNK = 8 << 20  # bytes per read when a spill file is copied into the shard
 
 
 def _validate_sample(s: SampleFeatures, num_aux: int) -> None:
@@ -70,105 +78,229 @@ def _validate_sample(s: SampleFeatures, num_aux: int) -> None:
         )
 
 
-def _check_uniform(samples: list[SampleFeatures], num_aux: int) -> None:
-    """All samples of a shard must share widths and teacher kinds, since rows are packed."""
-    first = samples[0]
-    aux_w = first.aux_hidden.shape[1]
-    k = None if first.topk_ids is None else first.topk_ids.shape[1]
-    last_w = None if first.last_hidden is None else first.last_hidden.shape[1]
-    if last_w is not None and last_w * num_aux != aux_w:
-        raise ValueError(
-            f"sample {first.sample_id!r}: last_hidden width {last_w} != aux_hidden width {aux_w} / {num_aux}"
-        )
-    seen: set[str] = set()
-    for s in samples:
-        if s.sample_id in seen:
+class ShardWriter:
+    """Writes one shard as its samples arrive, keeping none of their rows in memory.
+
+    ``add`` validates a sample, encodes it to the storage dtype at once and appends its rows to
+    per-key spill files next to the shard (``.shard-NNNNNN.safetensors.tmp-PID.KEY``); ``finish``
+    streams the header and then each key's rows, in sample order, into the shard's temporary name
+    (sha256 computed on the way), fsyncs and renames it. Samples may arrive in any order (the
+    pipeline captures them in length-sorted batches): each carries its ``position`` in the shard, and
+    the file is the same whatever the arrival order. On any error, or ``abort``, the spill files and
+    the temporary shard are removed, so nothing half-written is ever left at a final name; a killed
+    process leaves only hidden ``.NAME.tmp-*`` files, which the next run removes.
+    """
+
+    def __init__(self, root: Path, index: int, *, hidden_dtype: str, num_aux: int) -> None:
+        check_hidden_dtype(hidden_dtype)
+        if num_aux < 1:
+            raise ValueError(f"num_aux must be >= 1, got {num_aux}")
+        self.rel = shard_relpath(index)
+        self.path = Path(root) / self.rel
+        self.hidden_dtype = hidden_dtype
+        self.num_aux = num_aux
+        self._layout: tuple[int, int | None, int | None] | None = None  # widths every sample must share
+        self._first_id = ""
+        self._specs: dict[str, tuple[torch.dtype, int]] = {}  # per-token key -> (dtype, row bytes)
+        self._spills: dict[str, BinaryIO] = {}
+        self._rows = 0  # rows spilled so far (arrival order)
+        self._entries: dict[int, tuple[int, int, dict[str, Any]]] = {}  # position -> (first row, rows, meta)
+        self._ids: set[str] = set()
+        self._closed = False
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        if exc_type is not None:
+            self.abort()
+
+    def _spill_path(self, key: str) -> Path:
+        return temp_name(self.path).with_name(f"{temp_name(self.path).name}.{key}")
+
+    def add(self, sample: SampleFeatures, position: int | None = None) -> None:
+        """Validate, encode and spill one sample; ``position`` is its place in the shard (default: next)."""
+        if self._closed:
+            raise RuntimeError(f"{self.path}: the shard writer is closed")
+        pos = len(self._entries) if position is None else int(position)
+        try:
+            _validate_sample(sample, self.num_aux)
+            self._check_uniform(sample)
+            if pos in self._entries:
+                raise ValueError(f"sample {sample.sample_id!r}: position {pos} is taken")
+            n = int(sample.input_ids.shape[0])
+            loss_tokens = 0
+            # Block by block: the encoders' temporaries (fp8 makes three fp32 copies) stay small whatever
+            # the sample's length, and scales are per token, so the bytes equal encoding it whole.
+            for a in range(0, max(n, 1), ROW_BLOCK):
+                tensors = self._encode(sample, a, a + ROW_BLOCK)
+                loss_tokens += int(tensors["loss_mask"].sum())
+                for key, t in tensors.items():
+                    self._spill(key, t)
+                del tensors
+        except BaseException:
+            self.abort()
+            raise
+        self._ids.add(sample.sample_id)
+        meta = {
+            "id": sample.sample_id,
+            "source": sample.source,
+            "category": sample.category,
+            "num_tokens": n,
+            "num_loss_tokens": loss_tokens,
+            "truncated": bool(sample.truncated),
+        }
+        self._entries[pos] = (self._rows, n, meta)
+        self._rows += n
+
+    def _check_uniform(self, s: SampleFeatures) -> None:
+        """All samples of a shard must share widths and teacher kinds, since rows are packed."""
+        if s.sample_id in self._ids:
             raise ValueError(f"sample id {s.sample_id!r} appears twice in one shard")
-        seen.add(s.sample_id)
-        if s.aux_hidden.shape[1] != aux_w:
-            raise ValueError(f"sample {s.sample_id!r}: aux_hidden width {s.aux_hidden.shape[1]} != {aux_w}")
-        sk = None if s.topk_ids is None else s.topk_ids.shape[1]
-        if sk != k:
-            raise ValueError(f"sample {s.sample_id!r}: topk width {sk} != {k} of sample {first.sample_id!r}")
-        sl = None if s.last_hidden is None else s.last_hidden.shape[1]
-        if sl != last_w:
+        layout = (s.aux_hidden.shape[1], None if s.topk_ids is None else s.topk_ids.shape[1],
+                  None if s.last_hidden is None else s.last_hidden.shape[1])
+        if self._layout is None:
+            last_w = layout[2]
+            if last_w is not None and last_w * self.num_aux != layout[0]:
+                raise ValueError(
+                    f"sample {s.sample_id!r}: last_hidden width {last_w} != aux_hidden width {layout[0]} / {self.num_aux}"
+                )
+            self._layout, self._first_id = layout, s.sample_id  # widths only: no feature rows are kept
+            return
+        first = self._first_id
+        if layout[0] != self._layout[0]:
+            raise ValueError(f"sample {s.sample_id!r}: aux_hidden width {layout[0]} != {self._layout[0]}")
+        if layout[1] != self._layout[1]:
+            raise ValueError(f"sample {s.sample_id!r}: topk width {layout[1]} != {self._layout[1]} of sample {first!r}")
+        if layout[2] != self._layout[2]:
             raise ValueError(
-                f"sample {s.sample_id!r}: last_hidden width {sl} != {last_w} of sample {first.sample_id!r}"
+                f"sample {s.sample_id!r}: last_hidden width {layout[2]} != {self._layout[2]} of sample {first!r}"
             )
 
-
-def encode_shard(
-    samples: list[SampleFeatures],
-    *,
-    hidden_dtype: str,
-    num_aux: int,
-    skipped: Mapping[str, int] | None = None,
-) -> tuple[bytes, dict[str, int]]:
-    """Pack samples into safetensors bytes; returns (bytes, counts). Deterministic for equal inputs."""
-    check_hidden_dtype(hidden_dtype)
-    if num_aux < 1:
-        raise ValueError(f"num_aux must be >= 1, got {num_aux}")
-    for s in samples:
-        _validate_sample(s, num_aux)
-    lengths = [int(s.input_ids.shape[0]) for s in samples]
-    offsets = torch.zeros(len(samples) + 1, dtype=torch.int64)
-    if samples:
-        offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
-    tensors: dict[str, torch.Tensor] = {"sample_offsets": offsets}
-    masks = [s.loss_mask.to(torch.bool).to(torch.uint8) for s in samples]
-    if samples:
-        _check_uniform(samples, num_aux)
-        tensors["input_ids"] = torch.cat([s.input_ids.to(torch.int32) for s in samples])
-        tensors["loss_mask"] = torch.cat(masks)
-        # Encode sample by sample (scales are per token, so this equals encoding the concatenation)
-        # so that only storage-dtype copies of the shard are ever concatenated.
-        put_hidden(tensors, "aux", [encode_hidden(s.aux_hidden, hidden_dtype, num_aux) for s in samples])
-        topk = [(s.topk_ids, s.topk_logprobs) for s in samples if s.topk_ids is not None]
-        if topk:
-            tensors["topk_ids"] = torch.cat([ids.to(torch.int32) for ids, _ in topk])
-            tensors["topk_logprobs"] = torch.cat([clamp_logprobs(lp) for _, lp in topk if lp is not None])
-        last = [s.last_hidden for s in samples if s.last_hidden is not None]
-        if last:
-            put_hidden(tensors, "last", [encode_hidden(h, hidden_dtype, 1) for h in last])
+    def _encode(self, s: SampleFeatures, a: int, b: int) -> dict[str, torch.Tensor]:
+        """Rows [a, b) of the sample's every per-token key, in the storage dtypes."""
+        out: dict[str, torch.Tensor] = {
+            "input_ids": s.input_ids[a:b].to(torch.int32),
+            "loss_mask": s.loss_mask[a:b].to(torch.bool).to(torch.uint8),
+        }
+        # Scales are per token, so encoding block by block equals encoding the concatenation.
+        put_hidden(out, "aux", [encode_hidden(s.aux_hidden[a:b], self.hidden_dtype, self.num_aux)])
+        if s.topk_ids is not None and s.topk_logprobs is not None:
+            out["topk_ids"] = s.topk_ids[a:b].to(torch.int32)
+            out["topk_logprobs"] = clamp_logprobs(s.topk_logprobs[a:b])
+        if s.last_hidden is not None:
+            put_hidden(out, "last", [encode_hidden(s.last_hidden[a:b], self.hidden_dtype, 1)])
         # Inputs were checked finite; fp8 is clamped to +-448, but bf16 rounding can still overflow to inf
         # for |x| near the float32 maximum.
         for key in ("aux_hidden", "last_hidden"):
-            if (
-                key in tensors
-                and tensors[key].dtype == torch.bfloat16
-                and not bool(torch.isfinite(tensors[key]).all())
-            ):
-                raise ValueError(f"{key} overflows bfloat16 (|value| near the float32 maximum)")
-    else:
-        # An empty shard holds only the index keys: there is no row to give the hidden keys a width.
-        tensors["input_ids"] = torch.zeros(0, dtype=torch.int32)
-        tensors["loss_mask"] = torch.zeros(0, dtype=torch.uint8)
-    meta_samples = [
-        {
-            "id": s.sample_id,
-            "source": s.source,
-            "category": s.category,
-            "num_tokens": n,
-            "num_loss_tokens": int(m.sum()),
-            "truncated": bool(s.truncated),
+            t = out.get(key)
+            if t is not None and t.dtype == torch.bfloat16 and not all_finite(t):
+                raise ValueError(f"sample {s.sample_id!r}: {key} overflows bfloat16 (|value| near the float32 maximum)")
+        return out
+
+    def _spill(self, key: str, t: torch.Tensor) -> None:
+        row_bytes = t.dtype.itemsize * (t.shape[1] if t.dim() == 2 else 1)
+        spec = self._specs.setdefault(key, (t.dtype, row_bytes))
+        if spec != (t.dtype, row_bytes):  # cannot happen after _check_uniform; guards the byte layout
+            raise ValueError(f"key {key!r}: {t.dtype} rows of {row_bytes} bytes, the shard has {spec}")
+        f = self._spills.get(key)
+        if f is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            f = self._spills[key] = open(self._spill_path(key), "wb")  # closed in finish/abort
+        try:
+            f.write(tensor_bytes(t))
+        except OSError as e:
+            if e.filename is not None:
+                raise
+            # write() errors (ENOSPC, EIO) carry no file name; name the shard they were for
+            raise OSError(e.errno, e.strerror or str(e), str(self.path)) from e
+
+    def finish(self, skipped: Mapping[str, int] | None = None) -> ShardInfo:
+        """Assemble the shard from the spill files (streamed, hashed), rename it into place, clean up."""
+        if self._closed:
+            raise RuntimeError(f"{self.path}: the shard writer is closed")
+        try:
+            info = self._assemble(skipped or {})
+        except BaseException:
+            self.abort()
+            raise
+        self.abort()  # only removes what is left: the spill files
+        logger.debug("wrote %s: %d samples, %d tokens", self.rel, info.num_samples, info.num_tokens)
+        return info
+
+    def _assemble(self, skipped: Mapping[str, int]) -> ShardInfo:
+        for f in self._spills.values():
+            f.close()
+        order = sorted(self._entries)
+        entries = [self._entries[p] for p in order]
+        lengths = [n for _, n, _ in entries]
+        offsets = torch.zeros(len(entries) + 1, dtype=torch.int64)
+        if entries:
+            offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
+        total = int(offsets[-1])
+        specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {"sample_offsets": (torch.int64, (len(entries) + 1,))}
+        if entries:
+            for key, (dtype, row_bytes) in self._specs.items():
+                width = row_bytes // dtype.itemsize
+                specs[key] = (dtype, (total,) if key in ("input_ids", "loss_mask") else (total, width))
+        else:
+            # An empty shard holds only the index keys: there is no row to give the hidden keys a width.
+            specs.update(input_ids=(torch.int32, (0,)), loss_mask=(torch.uint8, (0,)))
+        meta_samples = [m for _, _, m in entries]
+        skipped_clean = {str(k): int(v) for k, v in sorted(skipped.items())}
+        metadata = {
+            "format_version": str(FORMAT_VERSION),
+            "hidden_dtype": self.hidden_dtype,
+            "num_aux": str(self.num_aux),
+            "samples": json.dumps(meta_samples, sort_keys=True, separators=(",", ":")),
+            "skipped": json.dumps(skipped_clean, sort_keys=True, separators=(",", ":")),
         }
-        for s, n, m in zip(samples, lengths, masks, strict=True)
-    ]
-    skipped_clean = {str(k): int(v) for k, v in sorted((skipped or {}).items())}
-    metadata = {
-        "format_version": str(FORMAT_VERSION),
-        "hidden_dtype": hidden_dtype,
-        "num_aux": str(num_aux),
-        "samples": json.dumps(meta_samples, sort_keys=True, separators=(",", ":")),
-        "skipped": json.dumps(skipped_clean, sort_keys=True, separators=(",", ":")),
-    }
-    data = serialize(tensors, metadata)
-    counts = {
-        "num_samples": len(samples),
-        "num_tokens": int(sum(lengths)),
-        "num_loss_tokens": int(sum(m["num_loss_tokens"] for m in meta_samples)),
-    }
-    return data, counts
+        digest = hashlib.sha256()
+        with atomic_open(self.path, "wb") as out:
+
+            def emit(data: bytes | memoryview) -> None:
+                out.write(data)
+                digest.update(data)
+
+            emit(header_bytes(specs, metadata))
+            for key in data_order(specs):
+                if key == "sample_offsets":
+                    emit(tensor_bytes(offsets))
+                elif entries:
+                    self._copy_rows(key, entries, emit)
+        return ShardInfo(
+            path=self.rel,
+            sha256=digest.hexdigest(),
+            num_samples=len(entries),
+            num_tokens=total,
+            num_loss_tokens=sum(int(m["num_loss_tokens"]) for m in meta_samples),
+            skipped=skipped_clean,
+        )
+
+    def _copy_rows(self, key: str, entries: list[tuple[int, int, dict[str, Any]]], emit: Any) -> None:
+        """Stream one key's rows from its spill file in sample order, in bounded reads."""
+        row_bytes = self._specs[key][1]
+        fd = os.open(self._spill_path(key), os.O_RDONLY)
+        try:
+            for first, n, _ in entries:
+                pos, end = first * row_bytes, (first + n) * row_bytes
+                while pos < end:
+                    chunk = os.pread(fd, min(_COPY_CHUNK, end - pos), pos)
+                    if not chunk:
+                        raise OSError(errno.EIO, f"spill file of {key!r} ends early", str(self.path))
+                    emit(chunk)
+                    pos += len(chunk)
+        finally:
+            os.close(fd)
+        self._spill_path(key).unlink()  # frees its disk space before the next key is copied
+
+    def abort(self) -> None:
+        """Remove the spill files (the temporary shard is atomic_open's to remove); idempotent."""
+        self._closed = True
+        for key, f in self._spills.items():
+            f.close()
+            self._spill_path(key).unlink(missing_ok=True)
+        self._spills.clear()
 
 
 def write_shard(
@@ -180,22 +312,15 @@ def write_shard(
     num_aux: int,
     skipped: Mapping[str, int] | None = None,
 ) -> ShardInfo:
-    """Write shard `index` atomically and return what the manifest needs about it.
+    """Write shard `index` from samples in memory (tests, synthetic datasets), through :class:`ShardWriter`.
 
     Raises ValueError (naming the sample) on inconsistent shapes or NaN/Inf features; the
     pipeline filters those first with `features_are_finite` and counts them as skipped.
     """
-    rel = shard_relpath(index)
-    data, counts = encode_shard(samples, hidden_dtype=hidden_dtype, num_aux=num_aux, skipped=skipped)
-    atomic_write_bytes(Path(root) / rel, data)
-    info = ShardInfo(
-        path=rel,
-        sha256=hashlib.sha256(data).hexdigest(),
-        skipped={str(k): int(v) for k, v in sorted((skipped or {}).items())},
-        **counts,
-    )
-    logger.debug("wrote %s: %d samples, %d tokens", rel, info.num_samples, info.num_tokens)
-    return info
+    with ShardWriter(root, index, hidden_dtype=hidden_dtype, num_aux=num_aux) as writer:
+        for s in samples:
+            writer.add(s)
+        return writer.finish(skipped)
 
 
 def shard_loss_tokens(path: Path) -> list[int]:

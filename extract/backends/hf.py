@@ -191,7 +191,12 @@ class HFTarget(TargetBackend):
         return int(pad)
 
     def capture(self, batch: list[list[int]], teacher: TeacherSpec) -> list[Captured]:
-        """One right-padded forward of the decoder stack; hooks grab the aux layers' outputs."""
+        """One right-padded forward of the decoder stack; hooks copy the aux layers' outputs into one buffer.
+
+        Memory: the aux states exist once, in a [B, W, n_aux*H] buffer the hooks fill as the forward passes
+        each layer (no per-layer copies kept, no concatenation), and on CPU in float32 each sample's
+        ``aux_hidden`` is a view of its rows there, so a batch's features cost one copy of them.
+        """
         if not batch:
             return []
         lengths = [len(seq) for seq in batch]
@@ -204,30 +209,36 @@ class HFTarget(TargetBackend):
             input_ids[row, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
             mask[row, : len(seq)] = 1
 
-        grabbed: dict[int, torch.Tensor] = {}
+        ids = list(self.info.aux_layer_ids)
+        filled: set[int] = set()
+        aux: torch.Tensor | None = None
 
-        def hook_for(layer_id: int):
+        def hook_for(k: int):
             def hook(_module: nn.Module, _args: Any, output: Any) -> None:
-                grabbed[layer_id] = _first_tensor(output)
+                nonlocal aux
+                h = _first_tensor(output)
+                if aux is None:
+                    aux = h.new_empty((*h.shape[:-1], len(ids) * h.shape[-1]))
+                aux[..., k * h.shape[-1] : (k + 1) * h.shape[-1]].copy_(h)
+                filled.add(k)
 
             return hook
 
-        handles = [self.decoder_layers[i].register_forward_hook(hook_for(i)) for i in self.info.aux_layer_ids]
+        handles = [self.decoder_layers[i].register_forward_hook(hook_for(k)) for k, i in enumerate(ids)]
         try:
             with torch.inference_mode():
                 out = self.text_model(
                     input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False
                 )
                 final = out[0] if isinstance(out, tuple) else out.last_hidden_state
-                missing = [i for i in self.info.aux_layer_ids if i not in grabbed]
-                if missing:
-                    raise RuntimeError(f"forward hooks on decoder layers {missing} never fired")
-                aux = torch.cat([grabbed[i] for i in self.info.aux_layer_ids], dim=-1)
+                del out
+                missing = [i for k, i in enumerate(ids) if k not in filled]
+                if missing or aux is None:
+                    raise RuntimeError(f"forward hooks on decoder layers {missing or ids} never fired")
                 return self._split(aux, final, lengths, teacher)
         finally:
             for handle in handles:
                 handle.remove()
-            grabbed.clear()
 
     def _split(self, aux: torch.Tensor, final: torch.Tensor, lengths: list[int], teacher: TeacherSpec) -> list[Captured]:
         """Trim padding, run the chunked teacher on the real tokens only, and move to CPU float32."""
@@ -244,7 +255,8 @@ class HFTarget(TargetBackend):
         for b, n in enumerate(lengths):
             out.append(
                 Captured(
-                    aux_hidden=aux[b, :n].to("cpu", torch.float32).clone(),
+                    # a view of the batch buffer when it already is CPU float32, else a copy
+                    aux_hidden=aux[b, :n].to("cpu", torch.float32),
                     topk_ids=topk_ids[b] if topk_ids is not None else None,
                     topk_logprobs=topk_lp[b] if topk_lp is not None else None,
                     last_hidden=rows[b].to("cpu", torch.float32).clone() if "last_hidden" in teacher.kinds else None,

@@ -22,7 +22,16 @@ of ``redraft[sglang]``); paths are relative to ``python/`` in sgl-project/sglang
 - Response: ``output_ids`` and ``meta_info`` keys ``hidden_states``, ``input_top_logprobs``,
   ``output_top_logprobs``, ``prompt_tokens``, ``cached_tokens``, ``finish_reason``:
   ``sglang/srt/managers/tokenizer_manager.py``. Prefill hidden states are one ``[T][3H]`` list per request:
-  ``sglang/srt/managers/scheduler_components/batch_result_processor.py::_append_prefill_hidden_states``.
+  ``sglang/srt/managers/scheduler_components/batch_result_processor.py::_append_prefill_hidden_states``
+  (``.cpu().clone().tolist()``: there is no tensor form of per-token hidden states in 0.5.23).
+- Memory: as Python floats those lists cost about 32 bytes per value, 8x fp32 (688 KB per token at
+  Kimi-K2.5's 3 x 7168). ``Engine.generate`` with a batch gathers every response before returning
+  (``tokenizer_manager.py::_handle_batch_request`` -> ``_collect_batch_responses``), so a whole batch's
+  lists would coexist. Capture therefore sends one ``Engine.async_generate`` per sequence, concurrently on
+  the engine's own event loop (``Engine.loop``, which ``Engine.generate`` also runs on; the scheduler
+  batches them as usual), and turns each response's hidden states into a float32 tensor as soon as it
+  arrives. What remains as lists at once is what one scheduler output carries, bounded by SGLang's own
+  prefill batch.
   ``input_top_logprobs`` starts with ``None`` and drops the last prompt row, whose distribution is
   the first output token's: ``scheduler_components/logprob_result_processor.py::_process_input_top_logprobs``.
   Input logprobs are a plain log-softmax of the logits (``sglang/srt/layers/logprob_processor.py``); output
@@ -31,6 +40,7 @@ of ``redraft[sglang]``); paths are relative to ``python/`` in sgl-project/sglang
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import types
@@ -151,14 +161,14 @@ def check_teacher(teacher: TeacherSpec) -> None:
         )
 
 
-def capture_request(batch: Sequence[Sequence[int]], teacher_k: int) -> dict[str, Any]:
-    """``Engine.generate`` arguments for one capture batch: a 1-token greedy step with prompt logprobs.
+def capture_request(ids: Sequence[int], teacher_k: int) -> dict[str, Any]:
+    """``Engine.async_generate`` arguments for one sequence: a 1-token greedy step with prompt logprobs.
 
     logprob_start_len=0 matters twice: it asks for top-k rows at every prompt position, and SGLang prunes
     returned hidden states to the same start. Greedy keeps the last row a plain log-softmax.
     """
     return {
-        "input_ids": [[int(t) for t in seq] for seq in batch],
+        "input_ids": [int(t) for t in ids],
         "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
         "return_hidden_states": True,
         "return_logprob": True,
@@ -217,33 +227,30 @@ def _prompt_hidden_rows(meta: Mapping[str, Any]) -> list:
     return rows
 
 
-def check_lengths(prompts: Sequence[Sequence[int]], outputs: Sequence[Mapping[str, Any]]) -> None:
+def check_response(index: int, prompt: Sequence[int], output: Mapping[str, Any]) -> None:
     """Fail loudly when SGLang returned features for fewer tokens than it was given.
 
     Radix-cache hits and chunked prefill both shorten the returned hidden states silently.
     """
-    if len(outputs) != len(prompts):
-        raise ValueError(f"SGLang returned {len(outputs)} responses for {len(prompts)} prompts")
-    for i, (prompt, out) in enumerate(zip(prompts, outputs, strict=True)):
-        meta = _meta(out, i)
-        n = len(prompt)
-        cached = meta.get("cached_tokens") or 0
-        if cached:
-            raise ValueError(
-                f"sample #{i}: SGLang served {cached} of {n} prompt tokens from the radix cache, so their hidden "
-                "states are missing; start the engine with disable_radix_cache=True"
-            )
-        if meta.get("prompt_tokens", n) != n:
-            raise ValueError(f"sample #{i}: sent {n} tokens but SGLang counted prompt_tokens={meta['prompt_tokens']}")
-        got = len(_prompt_hidden_rows(meta))
-        if got != n:
-            raise ValueError(
-                f"sample #{i}: SGLang returned hidden states for {got} of {n} prompt tokens; chunked prefill drops "
-                "middle chunks (use chunked_prefill_size=-1 or >= max_length) and radix-cache hits drop the prefix"
-            )
-        top = meta.get("input_top_logprobs")
-        if top is not None and len(top) != n:
-            raise ValueError(f"sample #{i}: {len(top)} input_top_logprobs rows for {n} prompt tokens")
+    meta = _meta(output, index)
+    n = len(prompt)
+    cached = meta.get("cached_tokens") or 0
+    if cached:
+        raise ValueError(
+            f"sample #{index}: SGLang served {cached} of {n} prompt tokens from the radix cache, so their hidden "
+            "states are missing; start the engine with disable_radix_cache=True"
+        )
+    if meta.get("prompt_tokens", n) != n:
+        raise ValueError(f"sample #{index}: sent {n} tokens but SGLang counted prompt_tokens={meta['prompt_tokens']}")
+    got = len(_prompt_hidden_rows(meta))
+    if got != n:
+        raise ValueError(
+            f"sample #{index}: SGLang returned hidden states for {got} of {n} prompt tokens; chunked prefill drops "
+            "middle chunks (use chunked_prefill_size=-1 or >= max_length) and radix-cache hits drop the prefix"
+        )
+    top = meta.get("input_top_logprobs")
+    if top is not None and len(top) != n:
+        raise ValueError(f"sample #{index}: {len(top)} input_top_logprobs rows for {n} prompt tokens")
 
 
 def _topk_row(row: Any, k: int, where: str) -> tuple[list[int], list[float]]:
@@ -456,7 +463,8 @@ class SGLangTarget(TargetBackend):
         self.engine: Any = sglang.Engine(**self.engine_kwargs)
 
     def capture(self, batch: list[list[int]], teacher: TeacherSpec) -> list[Captured]:
-        """One 1-token greedy request per sequence; aux states and top-k rows come back in meta_info."""
+        """One 1-token greedy request per sequence, sent together; aux states and top-k rows come back in
+        meta_info and each response becomes tensors as soon as it arrives (see the module docstring)."""
         check_teacher(teacher)
         if not batch:
             return []
@@ -464,10 +472,18 @@ class SGLangTarget(TargetBackend):
         if too_long:
             i = too_long[0]
             raise ValueError(f"sequence #{i} has {len(batch[i])} tokens; expected 1..max_length={self.max_length}")
-        outputs = _as_list(self._engine().generate(**capture_request(batch, teacher.topk)))
-        check_lengths(batch, outputs)
+        engine = self._engine()
         width = len(self.info.aux_layer_ids) * self.info.hidden_size
-        return [parse_capture_output(o, teacher.topk, aux_width=width) for o in outputs]
+
+        async def one(i: int, seq: list[int]) -> Captured:
+            output = await engine.async_generate(**capture_request(seq, teacher.topk))
+            check_response(i, seq, output)
+            return parse_capture_output(output, teacher.topk, aux_width=width)  # the lists die with `output`
+
+        async def every() -> list[Captured]:
+            return list(await asyncio.gather(*(one(i, seq) for i, seq in enumerate(batch))))
+
+        return engine.loop.run_until_complete(every())
 
     def generate(self, prompts: list[list[int]], gen: GenerationConfig, stop_ids: list[int]) -> list[list[int]]:
         """Continue each prompt with the engine's sampler; SGLang batches the requests itself."""

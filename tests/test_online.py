@@ -1,0 +1,216 @@
+"""eval.online / eval.engine_truth without the real engine: requests from the data, the driver's counter
+arithmetic (through a stand-in ``vllm`` package on PYTHONPATH), the verdict, and the lane's loud paths.
+
+The real engine is exercised by ``make engine-truth`` (CI), which needs the vLLM CPU venv.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers_acceptance import make_case, write_case_dataset, write_target
+from helpers_drafter import tiny_drafter
+
+from core.dataset.reader import DatasetReader
+from core.drafter.folder import write_drafter_folder
+from core.engines import vllm as vllm_engine
+from eval import engine_truth as et
+from eval import engine_walk as ew
+from eval import online
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 3
+
+FAKE_VLLM = '''
+"""Stand-in for vllm's offline API: K drafts per round, the first accepted, the second on odd rounds."""
+__version__ = "fake"
+
+
+class _M:
+    def __init__(self, name, value=None, values=None):
+        self.name, self.value, self.values = name, value, values
+
+
+class SamplingParams:
+    def __init__(self, temperature, max_tokens, ignore_eos=False, **kw):
+        self.max_tokens = max_tokens
+
+
+class _Out:
+    def __init__(self, ids):
+        self.token_ids, self.finish_reason = ids, "length"
+
+
+class _Req:
+    def __init__(self, ids):
+        self.outputs = [_Out(ids)]
+
+
+class LLM:
+    def __init__(self, model, speculative_config=None, **kw):
+        self.k = speculative_config["num_speculative_tokens"] if speculative_config else 0
+        self.drafts = self.accepted = 0
+        self.pos = [0] * max(self.k, 2)
+
+    def generate(self, prompts, params, use_tqdm=False):
+        ids = prompts[0]["prompt_token_ids"]
+        for r in range(params.max_tokens):  # one round per output token, for the arithmetic only
+            self.drafts += 1
+            n = 2 if r % 2 else 1
+            self.accepted += n
+            for i in range(n):
+                self.pos[i] += 1
+        return [_Req([ids[-1]] * params.max_tokens)]
+
+    def get_metrics(self):
+        return [_M("vllm:spec_decode_num_drafts", self.drafts), _M("vllm:spec_decode_num_draft_tokens", self.drafts * self.k),
+                _M("vllm:spec_decode_num_accepted_tokens", self.accepted),
+                _M("vllm:spec_decode_num_accepted_tokens_per_pos", values=self.pos), _M("other", 1)]
+'''
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("online")
+    drafter = tiny_drafter(3).eval()
+    case = make_case(drafter, [20, 14, 11], steps=STEPS, seed=3, follow=1.0)
+    lm_head = torch.randn(drafter.config.vocab_size, drafter.config.target_hidden_size)
+    target = write_target(root / "target", drafter, lm_head)
+    data = write_case_dataset(root / "data", case, drafter, target, lm_head, generation={"temperature": 0.0})
+    ckpt = root / "ckpt"
+    ckpt.mkdir()
+    write_drafter_folder(ckpt, drafter.config, drafter.serving_state_dict(), {"step": 1})
+    fake = root / "fake"
+    (fake / "vllm").mkdir(parents=True)
+    (fake / "vllm" / "__init__.py").write_text(FAKE_VLLM)
+    return dict(root=root, case=case, data=data, target=target, ckpt=ckpt, fake=fake)
+
+
+def test_requests_are_the_prompt_ids_before_each_answer(world):
+    reader = DatasetReader(world["data"])
+    reqs = online.build_requests(reader, range(len(reader)))
+    case = world["case"]
+    assert len(reqs) == sum(len(ew.answer_runs(case["loss_mask"][b])) for b in range(3))
+    for r in reqs:
+        b = r.sample
+        ids, lm = case["input_ids"][b].tolist(), case["loss_mask"][b].tolist()
+        a = len(r.prompt)
+        assert r.prompt == ids[:a] and lm[a] and not lm[a - 1]  # the tokens before the answer's first token
+        assert r.answer == ids[a : a + len(r.answer)] and all(lm[a : a + len(r.answer)])
+        assert r.max_tokens == len(r.answer)
+    assert {r.max_tokens for r in online.build_requests(reader, [0], max_new_tokens=5)} == {5}
+
+
+def test_missing_engine_says_how_to_build_it(monkeypatch, tmp_path):
+    monkeypatch.setenv("VLLM_CPU_VENV", str(tmp_path / "nope"))
+    monkeypatch.setattr(vllm_engine.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(vllm_engine.EngineError, match="make vllm-cpu-venv"):
+        vllm_engine.engine_python()
+    with pytest.raises(vllm_engine.EngineError, match="no such file"):
+        vllm_engine.engine_python(str(tmp_path / "python"))
+
+
+def test_engine_env_preloads_intel_openmp(tmp_path):
+    venv = tmp_path / "v"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "lib").mkdir()
+    (venv / "lib" / "libiomp5.so").write_bytes(b"")
+    env = vllm_engine.engine_env(str(venv / "bin" / "python"))
+    assert str(venv / "lib" / "libiomp5.so") in env["LD_PRELOAD"].split(":")
+    assert env["HF_HUB_OFFLINE"] == "1" and env["VLLM_TARGET_DEVICE"] == "cpu"
+
+
+def test_measure_through_the_driver(world, monkeypatch):
+    """eval.online -> export -> core/engines/vllm_driver.py in a subprocess -> counters differenced per request."""
+    reader = DatasetReader(world["data"])
+    settings = online.OnlineSettings(steps=STEPS, speed_samples=2, engine_python=sys.executable,
+                                     extra_env={"PYTHONPATH": str(world["fake"])})
+    res = online.measure(world["ckpt"], reader, range(len(reader)), settings, target=str(world["target"]))
+    reqs = online.build_requests(reader, range(len(reader)))
+    rows = res["per_request"]
+    assert [r["id"] for r in rows] == [q.id for q in reqs]
+    for r, q in zip(rows, reqs, strict=True):  # per request: the stand-in's rounds, not the global counters
+        assert r["num_drafts"] == q.max_tokens
+        assert r["num_accepted_tokens"] == q.max_tokens + q.max_tokens // 2
+        assert r["num_accepted_tokens_per_pos"] == [q.max_tokens, q.max_tokens // 2, 0]
+        assert r["same_as_data"] == (r["output_token_ids"] == q.answer)
+    drafts = sum(q.max_tokens for q in reqs)
+    accepted = sum(q.max_tokens + q.max_tokens // 2 for q in reqs)
+    assert res["all"]["tau"] == pytest.approx(1 + accepted / drafts)
+    assert res["all"]["accept_rate"][2] == 0.0
+    assert res["lossless"] == {"equal": 2, "of": 2} and res["tokens_per_s"]["without_drafter"] > 0
+    assert res["drafter_folder"].startswith("exported from")
+    assert "tau online (1 + accepted/drafts)" in online.format_table(res)
+
+
+def test_engine_failure_is_loud(world):
+    reader = DatasetReader(world["data"])
+    settings = online.OnlineSettings(steps=STEPS, speed_samples=0, engine_python=sys.executable,
+                                     extra_env={"PYTHONPATH": str(world["root"] / "empty")})
+    with pytest.raises(online.OnlineError, match="engine failed"):
+        online.measure(world["ckpt"], reader, [0], settings, target=str(world["target"]))
+
+
+def _off(tau, rates):
+    return {"tau": tau, "accept_rate": rates, "per_position": {"tau": tau + 0.1, "accept_rate": rates},
+            "engine_walk": {"rounds": 10}}
+
+
+def test_verdict_by_the_numbers():
+    tol = et.Tolerances()
+    on = {"tau": 1.5, "accept_rate": [0.4, 0.1], "num_drafts": 10}
+    ok = et.compare(_off(1.5 * 1.019, [0.415, 0.085]), on, tol)
+    assert ok["ok"] and ok["tau_rel_error"] == pytest.approx(0.019)
+    bad_tau = et.compare(_off(1.5 * 1.021, [0.4, 0.1]), on, tol)
+    assert not bad_tau["ok"] and "tau" in bad_tau["problems"][0]
+    bad_rate = et.compare(_off(1.5, [0.4, 0.125]), on, tol)
+    assert not bad_rate["ok"] and "draft 2" in bad_rate["problems"][0]
+
+
+def _lane(env_extra: dict[str, str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, **env_extra}
+    return subprocess.run(["bash", str(ROOT / "scripts" / "engine_truth.sh")], env=env, capture_output=True,
+                          text=True, timeout=60, check=False)
+
+
+def test_lane_skips_only_on_purpose_and_fails_loudly():
+    skipped = _lane({"REDRAFT_SKIP_ENGINE_TRUTH": "1"})
+    assert skipped.returncode == 0 and "SKIPPED ON PURPOSE" in skipped.stdout
+    broken = _lane({"REDRAFT_SKIP_ENGINE_TRUTH": "0", "PYTHON": "/nonexistent/python"})
+    assert broken.returncode != 0 and "missing" in broken.stderr
+
+
+def test_cli_help(capsys):
+    for mod in (online, et):
+        with pytest.raises(SystemExit):
+            mod.main(["--help"])
+    text = capsys.readouterr().out
+    for opt in ("--data", "--steps", "--max-new-tokens", "--speed-samples", "--engine-python", "--json", "--markdown",
+                "--tau-tol", "--rate-tol", "--min-samples"):
+        assert opt in text
+
+
+def test_driver_usage_error():
+    driver = ROOT / "core" / "engines" / "vllm_driver.py"
+    proc = subprocess.run([sys.executable, str(driver), "job.json"], capture_output=True, text=True, check=False)
+    assert proc.returncode == 2 and "usage" in proc.stderr
+    proc = subprocess.run([sys.executable, str(driver)], input="", capture_output=True, text=True, check=False)
+    assert proc.returncode == 2  # no settings line: nothing to load
+
+
+def test_engine_timeout_stops_it(world, tmp_path):
+    slow = tmp_path / "slow" / "vllm"
+    slow.mkdir(parents=True)
+    (slow / "__init__.py").write_text(FAKE_VLLM.replace("    def generate(self, prompts, params, use_tqdm=False):\n",
+                                                        "    def generate(self, prompts, params, use_tqdm=False):\n"
+                                                        "        import time; time.sleep(60)\n"))
+    reader = DatasetReader(world["data"])
+    settings = online.OnlineSettings(steps=STEPS, speed_samples=0, engine_python=sys.executable, timeout_s=3,
+                                     extra_env={"PYTHONPATH": str(slow.parent)})
+    with pytest.raises(online.OnlineError, match="ran past 3 s"):
+        online.measure(world["ckpt"], reader, [0], settings, target=str(world["target"]))
