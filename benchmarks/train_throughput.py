@@ -1,6 +1,7 @@
 """Training throughput: tokens/s, achieved FLOP/s and peak memory next to the machine's matmul peak.
 
-A benchmark, not a test. For each drafter shape (the demo config and a larger one) it reports
+A benchmark, not a test. For each drafter shape (the demo config, a larger one, a Llama-3.2-1B-like
+one) it reports
 
   * in-process (1 process, --threads threads): one optimizer step exactly as train/main.py runs
     it (teacher_from_topk densification, TTTModel forward over K TTT steps, backward, gradient
@@ -11,19 +12,30 @@ A benchmark, not a test. For each drafter shape (the demo config and a larger on
     DeepSpeed ZeRO-2 processes over gloo (`accelerate launch --config_file
     configs/accelerate/cpu-2proc-zero2.yaml`, 1 thread each), tokens/s read from the run's own
     metrics.jsonl (log_every 1, first step dropped as warm-up, best step kept), against the
-    peak at that process/thread layout (2-process peak = 2 x the 1-thread matmul peak).
+    peak at that process/thread layout (2-process peak = 2 x the 1-thread matmul peak);
+  * side by side (--specforge and/or --code, benchmarks/train_sidebyside.py): redraft's step next
+    to SpecForge 0.2.0's (benchmarks/specforge_train_step.py, run in SpecForge's own venv) and/or
+    another checkout's, on the same weights and inputs, each side in its own process, alternating
+    rounds: median step time with the min-max of the repeats, VmHWM over the steps, and a memory
+    limit past which a side counts as not fitting.
 
 FLOPs counted (analytic, matmuls only, per token; norms, RoPE, softmax, SiLU, the loss and the
 optimizer count as 0): forward = fc (2 * 3Ht * H, once) + per TTT step k: q/k/v (2 * 2H * (nh +
 2 nkv) * hd), o (2 * nh * hd * H), MLP (3 * 2 * H * I), lm_head (2 * H * Vd), attention scores
 and values over the keys a query may see, causal step-0 keys plus k diagonal keys (4 * nh * hd *
-((T + 1) / 2 + k)); backward = 2 x forward, except fc whose input needs no gradient (1 x). The
-eager attention actually multiplies the full [T, T] block, so the causal count is the *useful*
-work. Peak memory is ru_maxrss of a worker process per shape (and its growth over the RSS
-before the first step); the train/main.py rows report the largest rank's ru_maxrss.
+((T + 1) / 2 + k)); backward = 2 x forward, except fc whose input needs no gradient (1 x). This is
+the *useful* work, the same count for every side: the eager attention also multiplies the masked
+part of its diagonal blocks (and recomputes the scores in the backward), SpecForge's the whole
+[T, T] block; redraft's lm_head skips positions that predict no assistant token. Peak memory is
+ru_maxrss of a worker process per shape (and its growth over the RSS before the first step); the
+train/main.py rows report the largest rank's ru_maxrss.
 
     python benchmarks/train_throughput.py --json bench-train.json          # everything (4-8 min on a busy 2-core box)
     python benchmarks/train_throughput.py --skip-main --profile prof.txt   # in-process + profile only
+    python benchmarks/train_throughput.py --shapes demo,1b --seqs 512,2048 --threads 1 \
+        --specforge ~/.cache/redraft/conformance/specforge/bin/python --json bench-vs-specforge.json
+    git archive BASE | tar -x -C /tmp/base && python benchmarks/train_throughput.py --shapes 1b \
+        --seqs 512,2048,4096 --threads 1 --code /tmp/base --json bench-before-after.json
 """
 
 from __future__ import annotations
@@ -80,6 +92,9 @@ class Shape:
 SHAPES = {
     "demo": Shape("demo", intermediate=768, draft_vocab=4096, batch=2, seq=512),  # configs/demo/train.yaml
     "large": Shape("large", intermediate=1536, draft_vocab=8000, batch=2, seq=1024),  # old demo: 2048 tok/batch
+    # a drafter for Llama-3.2-1B (its hidden size, heads, MLP width and vocab) with a 32k draft vocab
+    "1b": Shape("1b", intermediate=8192, draft_vocab=32000, batch=1, seq=2048, hidden=2048, heads=32, kv_heads=8,
+                head_dim=64, target_hidden=2048, vocab=128256),
 }
 
 
@@ -130,20 +145,25 @@ def matmul_peak(threads: int, n: int = 2048, repeats: int = 3) -> float:
 # ----------------------------------------------------------------------------- in-process step
 
 
-def _drafter_and_batch(s: Shape, seed: int = 0):
-    from core.dataset.batch import Batch
+def drafter_config(s: Shape):
     from core.drafter.config import DrafterConfig
-    from core.drafter.modeling import Eagle3Drafter
-    from core.drafter.vocab import build_vocab_mapping, draft_token_ids
-    from train.ttt import TTTModel
 
-    torch.manual_seed(seed)
-    cfg = DrafterConfig(
+    return DrafterConfig(
         hidden_size=s.hidden, num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, head_dim=s.head_dim,
         intermediate_size=s.intermediate, vocab_size=s.vocab, draft_vocab_size=s.draft_vocab,
         target_hidden_size=s.target_hidden, aux_layer_ids=[1, 14, 26], target_num_layers=30,
         max_position_embeddings=8192, torch_dtype="float32",
     )
+
+
+def _drafter_and_batch(s: Shape, seed: int = 0):
+    from core.dataset.batch import Batch
+    from core.drafter.modeling import Eagle3Drafter
+    from core.drafter.vocab import build_vocab_mapping, draft_token_ids
+    from train.ttt import TTTModel
+
+    torch.manual_seed(seed)
+    cfg = drafter_config(s)
     drafter = Eagle3Drafter(cfg)
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
@@ -391,6 +411,90 @@ def print_table(rows: list[dict[str, Any]]) -> None:
               f"{r['maxrss_mb']:>9.0f} {cpu}")
 
 
+def side_by_side(a: argparse.Namespace, shapes: list[Shape]) -> None:
+    """--specforge / --code: alternating rounds per shape and sequence length; a table and --json."""
+    import signal
+
+    import train_sidebyside
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so that the running side is stopped too
+    if a.specforge and not (a.shared_tools / "specforge_reference.py").is_file():
+        raise SystemExit(f"--shared-tools {a.shared_tools}: no specforge_reference.py there")
+    if a.code and not (a.code / "train" / "ttt.py").is_file():
+        raise SystemExit(f"--code {a.code}: not a redraft checkout (no train/ttt.py)")
+    sides: list[dict[str, Any]] = [{"name": "redraft", "kind": "redraft"}]
+    if a.code:
+        sides.append({"name": f"redraft@{a.code.name}", "kind": "redraft", "code": a.code.resolve()})
+    if a.specforge:
+        sides.append({"name": "specforge", "kind": "specforge", "python": a.specforge,
+                      "tools": a.shared_tools.resolve()})
+    seqs = [int(x) for x in a.seqs.split(",")] if a.seqs else None
+    t_start = time.perf_counter()
+    peaks: list[float] = []
+    cases = []
+    for s in shapes:
+        for seq in seqs or [s.seq]:
+            shape = dataclasses.replace(s, seq=seq)
+            log.info("%s T=%d (B=%d): %s", s.name, seq, s.batch, " vs ".join(x["name"] for x in sides))
+            res = train_sidebyside.compare(
+                json.dumps(dataclasses.asdict(shape)), sides, threads=a.threads, rounds=a.rounds, warmup=a.warmup,
+                repeats=a.side_repeats, mem_limit=int(a.mem_limit_gb * 2**30), env=_env(a.threads), peaks=peaks,
+                log=log)
+            cases.append({"shape": dataclasses.asdict(shape), "flops_per_token": flops_per_token(shape), **res})
+    peak = max(peaks)
+    print_side_table(cases, peaks, a)
+    if a.json is not None:
+        report = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
+                              "threads": a.threads},
+                  "matmul_peak_flops": peak, "matmul_peak_samples": peaks,
+                  "settings": {"rounds": a.rounds, "warmup": a.warmup, "repeats": a.side_repeats,
+                               "mem_limit_gb": a.mem_limit_gb},
+                  "cases": cases, "wall_s": time.perf_counter() - t_start}
+        tmp = a.json.with_name(a.json.name + ".tmp")
+        tmp.write_text(json.dumps(report, indent=2))
+        os.replace(tmp, a.json)
+
+
+def print_side_table(cases: list[dict[str, Any]], peaks: list[float], a: argparse.Namespace) -> None:
+    """One row per side: wall and CPU step time (median, min-max), FLOP/s, peak memory; ratios against redraft."""
+    peak = max(peaks)
+    head = (f"{'shape':<5} {'T':>5} {'side':<22} {'wall s (min-max)':>20} {'x':>6} {'CPU s (min-max)':>20} {'x':>6} "
+            f"{'of peak':>7} {'peak GB':>8} {'redraft/this':>12} {'set-up GB':>9} {'loss@1':>9}")
+    print(head)
+    print("-" * len(head))
+    gb = 2**30
+    for c in cases:
+        s = c["shape"]
+        ours = c["sides"][0]
+        tokens = s["batch"] * s["seq"]
+        for side in c["sides"]:
+            if not side["fits"]:
+                print(f"{s['name']:<5} {s['seq']:>5} {side['name']:<22} {'did not fit: RSS passed':>48} "
+                      f"{side['mem_limit'] / gb:.0f} GB (seen {side['rss_seen'] / gb:.1f})")
+                continue
+            cpu = [t for r in side["runs"] if not r.get("killed") for t in r["cpu_times"]]
+            wall = f"{side['step_s_median']:.2f} ({side['step_s_min']:.2f}-{side['step_s_max']:.2f})"
+            cpus = f"{side['cpu_s_median']:.2f} ({min(cpu):.2f}-{max(cpu):.2f})"
+            busy = side["cpu_s_median"] / a.threads  # the step's time on otherwise idle cores
+            flops = c["flops_per_token"]["total"] * tokens / busy
+            x_wall = x_cpu = mem = ""
+            if side is not ours and ours["fits"]:
+                x_wall = f"{side['step_s_median'] / ours['step_s_median']:.2f}"
+                x_cpu = f"{side['cpu_s_median'] / ours['cpu_s_median']:.2f}"
+                mem = f"{ours['step_peak'] / side['step_peak']:.2f}"
+            print(f"{s['name']:<5} {s['seq']:>5} {side['name']:<22} {wall:>20} {x_wall:>6} {cpus:>20} {x_cpu:>6} "
+                  f"{flops / peak:>7.1%} {side['step_peak'] / gb:>8.2f} {mem:>12} {side['rss_before'] / gb:>9.2f} "
+                  f"{side['first_loss']:>9.4f}")
+    loads = [x for c in cases for x in c["load_1min"]]
+    print(f"threads {a.threads}; {a.rounds} alternating rounds x ({a.warmup} warm-up + {a.side_repeats} timed) steps "
+          f"per side; matmul peak (fp32 2048^3, {a.threads} thread(s), best of {len(peaks)}): {peak / 1e9:.1f} "
+          f"GFLOP/s; 1-min load average {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} CPUs")
+    print("x: this side's median / redraft's. CPU s: the step's process time (with 1 thread, its time on a core of "
+          "its own); of peak: useful FLOPs / (CPU s / threads) / matmul peak. peak GB: VmHWM over the process's "
+          "steps (after its set-up); set-up GB: VmRSS before the first step; redraft/this: redraft's peak / this "
+          "side's; loss@1: the first step's loss (SpecForge's has its own masking and normalisation)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="demo,large", help="comma list of " + ", ".join(SHAPES))
@@ -401,6 +505,24 @@ def main() -> None:
     ap.add_argument("--skip-main", action="store_true", help="only the in-process measurement")
     ap.add_argument("--profile", type=Path, default=None, help="write the demo step's profiler table here")
     ap.add_argument("--json", type=Path, default=None, help="write all numbers here")
+    side = ap.add_argument_group("side by side (same weights and inputs, each side in its own process, alternating "
+                                 "rounds; replaces the modes above)")
+    side.add_argument("--specforge", default=None, metavar="PYTHON",
+                      help="SpecForge 0.2.0's venv python (make_specforge_venv.sh; the conformance lane builds "
+                           "~/.cache/redraft/conformance/specforge): redraft's step next to SpecForge's")
+    side.add_argument("--shared-tools", type=Path,
+                      default=Path(os.environ.get("REDRAFT_SHARED_TOOLS", ROOT.parent / "shared" / "tools")),
+                      help="folder of the peer tool specforge_reference.py (default $REDRAFT_SHARED_TOOLS or "
+                           "../shared/tools)")
+    side.add_argument("--code", type=Path, default=None, metavar="DIR",
+                      help="another redraft checkout (e.g. `git archive BASE | tar -x -C DIR`): this checkout's "
+                           "step next to that one's (before/after)")
+    side.add_argument("--seqs", default=None, help="comma list of sequence lengths (default: each shape's own)")
+    side.add_argument("--rounds", type=int, default=2, help="alternating rounds (each side: one process per round)")
+    side.add_argument("--warmup", type=int, default=1, help="untimed steps per process")
+    side.add_argument("--side-repeats", type=int, default=1, help="timed steps per process")
+    side.add_argument("--mem-limit-gb", type=float, default=16.0,
+                      help="stop a side whose RSS passes this many GiB and report it as not fitting")
     ap.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a._worker is not None:
@@ -408,6 +530,9 @@ def main() -> None:
         return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     shapes = [SHAPES[n] for n in a.shapes.split(",")]
+    if a.specforge or a.code:
+        side_by_side(a, shapes)
+        return
     t_start = time.perf_counter()
     peaks: dict[int, list[float]] = {1: [matmul_peak(1)], a.threads: [matmul_peak(a.threads)]}
     log.info("matmul peak: %.1f GFLOP/s (1 thread), %.1f GFLOP/s (%d threads)", peaks[1][0] / 1e9,

@@ -273,8 +273,10 @@ def test_draft_to_target_and_vocab_checks():
         d.set_vocab_mapping(torch.zeros_like(d.d2t), d.t2d)
 
 
-def test_custom_ttt_attention_backward_is_exact():
-    """The hand-written backward of the TTT attention matches autograd (gradcheck) and the sdpa path."""
+@pytest.mark.parametrize("block_rows", [None, 2, 3])  # one block of query rows; blocks of 2 and 3 (uneven)
+def test_custom_ttt_attention_backward_is_exact(block_rows):
+    """The hand-written backward of the TTT attention matches autograd (gradcheck) and the sdpa path,
+    with the query rows in one block or in several."""
     from core.drafter.ttt_attention import TTTCache, _eager_attention, _sdpa_attention
 
     torch.manual_seed(0)
@@ -284,15 +286,43 @@ def test_custom_ttt_attention_backward_is_exact():
     ks = [torch.randn(2, 1, 5, 4, dtype=torch.float64, requires_grad=True) for _ in range(3)]
     vs = [torch.randn(2, 1, 5, 4, dtype=torch.float64, requires_grad=True) for _ in range(3)]
 
-    def eager(q, *kv):
-        return _eager_attention(q, TTTCache(keys=list(kv[:3]), values=list(kv[3:])), mask)
+    def eager(q, *kv, n=3):
+        return _eager_attention(q, TTTCache(keys=list(kv[:n]), values=list(kv[n:])), mask, block_rows)
 
     assert torch.autograd.gradcheck(eager, (q, *ks, *vs))
+    assert torch.autograd.gradcheck(lambda q, k, v: eager(q, k, v, n=1), (q, ks[0], vs[0]))  # step 0 alone
     weights = torch.randn(2, 1, 2, 5, 4, dtype=torch.float64)
     real = mask.bool()[:, None, None, :, None]  # padded query rows are don't-care in both paths
-    grads = []
-    for fn in (_eager_attention, _sdpa_attention):
-        out = fn(q, TTTCache(keys=list(ks), values=list(vs)), mask)
-        grads.append(torch.autograd.grad((out * weights * real).sum(), [q, *ks, *vs]))
-    for a, b in zip(*grads, strict=True):
-        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-8)
+    for n in (1, 3):
+        grads = []
+        for fn in (_eager_attention, _sdpa_attention):
+            kw = {"block_rows": block_rows} if fn is _eager_attention else {}
+            out = fn(q, TTTCache(keys=list(ks[:n]), values=list(vs[:n])), mask, **kw)
+            grads.append(torch.autograd.grad((out * weights * real).sum(), [q, *ks[:n], *vs[:n]]))
+        for a, b in zip(*grads, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-8)
+
+
+def test_eager_ttt_attention_keeps_no_score_matrix():
+    """Blocked over query rows, the eager kernel saves nothing of [T, T] size per head for the backward
+    (the old kernel kept every step's probabilities: K x heads x T^2)."""
+    from core.drafter.ttt_attention import TTTCache, _eager_attention
+
+    torch.manual_seed(1)
+    bsz, nkv, groups, seq, hd = 1, 2, 2, 64, 8
+    q = torch.randn(bsz, nkv, groups, seq, hd, requires_grad=True)
+    cache = TTTCache()
+    sizes: list[int] = []
+
+    def pack(t):
+        sizes.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        for _ in range(3):
+            cache.keys.append(torch.randn(bsz, nkv, seq, hd, requires_grad=True))
+            cache.values.append(torch.randn(bsz, nkv, seq, hd, requires_grad=True))
+            out = _eager_attention(q, cache, None, block_rows=16)
+    assert max(sizes) <= bsz * nkv * groups * seq * hd  # q-sized, not scores-sized (heads * T * T = 16384)
+    out.sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()

@@ -29,13 +29,13 @@ Masking and normalisation (a DELIBERATE difference from SpecForge, which weights
 - accept_k: mean over the loss positions of sum_v min(p_teacher_on_draft, q_drafter), with the
   teacher probability NOT renormalised (an estimate of the per-token acceptance rate).
 
-Efficiency: positions are batched (only the K steps loop in Python), step k's attention is the
-causal [T, T] block plus k diagonal columns, and each step's loss is reduced before the next
-step runs. Per step, one softmax over the [B, T, Vd] logits serves the soft-CE (its logsumexp is
-read off the softmax at the argmax), the backward (q is saved instead of the fp32 logits, the same
-memory; low-precision logits are saved as they are and q recomputed) and the metrics (argmax,
-sum min(p, q)); the teacher's row mass is summed once, not per step. Metrics stay on the device
-(no host sync): they are stacked into [K] tensors at the end.
+Efficiency: positions are batched (only the K steps loop in Python) and step k's attention is
+the causal [T, T] block plus k diagonal columns, in blocks of query rows that keep no [T, T]
+scores for the backward (core.drafter.ttt_attention). The draft lm_head, the soft-CE and the metrics
+run in train.head_loss over all steps at once, in chunks of counted rows, with the gradients made
+in the forward (the loss weights are known there): no step's [B, T, Vd] logits or softmax is kept
+for the backward, and positions that predict no assistant token get no logits. Metrics stay on
+the device: one host sync per unroll (counted rows per window of the head).
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ from core.dataset.batch import Batch
 from core.drafter.modeling import Eagle3Drafter
 from core.drafter.ttt_attention import TTTCache
 from core.teacher_targets import TeacherTargets, teacher_from_last_hidden, teacher_from_topk
+from train.head_loss import HeadTargets, head_loss, soft_ce_rows
 
 
 @dataclass
@@ -66,28 +67,21 @@ class TTTOutput:
 
 
 class _SoftCrossEntropyWithSoftmax(torch.autograd.Function):
-    """Soft-CE rows [...] plus the drafter's softmax q and argmax, all from one softmax pass.
-
-    ce = lse * sum(p) - p . x, with lse = x[argmax] - log q[argmax] (exact: q[argmax] = exp(x_max - lse)),
-    so no separate logsumexp pass and no [..., Vd] temporaries. Backward: grad * (q * sum(p) - p).
-    q (fp32) and the argmax are returned without gradient for the metrics.
+    """Soft-CE rows [...] plus the drafter's softmax q and argmax from given logits, in one softmax pass
+    (train.head_loss.soft_ce_rows, the math the training loss uses). Backward: grad * (q * sum(p) - p).
+    q (fp32) and the argmax are returned without gradient.
     """
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, target_p: torch.Tensor, p_mass: torch.Tensor):  # type: ignore[override]
-        x = logits.float()
-        q = torch.softmax(x, dim=-1)
-        pred = x.argmax(-1, keepdim=True)
-        lse = x.gather(-1, pred) - q.gather(-1, pred).log()
-        p32 = target_p.float()
-        ce = lse.squeeze(-1) * p_mass - torch.linalg.vecdot(x, p32)
+        ce, q, pred, lse = soft_ce_rows(logits.float(), target_p, p_mass)
         if logits.dtype == torch.float32:
             ctx.save_for_backward(q, target_p, p_mass)  # the same bytes the fp32 logits would take
         else:
-            ctx.save_for_backward(logits, target_p, p_mass, lse)  # keep the small dtype; recompute q
+            ctx.save_for_backward(logits, target_p, p_mass, lse[..., None])  # keep the small dtype; recompute q
         ctx.logits_dtype = logits.dtype
         ctx.mark_non_differentiable(q, pred)
-        return ce, q, pred.squeeze(-1)
+        return ce, q, pred
 
     @staticmethod
     def backward(ctx, grad, _grad_q, _grad_pred):  # type: ignore[override]
@@ -106,10 +100,12 @@ class _SoftCrossEntropyWithSoftmax(torch.autograd.Function):
 def soft_cross_entropy(
     logits: torch.Tensor, target_p: torch.Tensor, p_mass: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The training loss per row: (soft-CE [...] fp32, drafter softmax q [..., Vd] fp32, argmax [...]).
+    """Per-row loss of given logits: (soft-CE [...] fp32, drafter softmax q [..., Vd] fp32, argmax [...]).
 
     soft-CE = -sum_v p * log_softmax(x); ``p_mass`` [...] is sum_v p (computed here when not given),
-    0 for a row without teacher mass. Only the soft-CE carries a gradient.
+    0 for a row without teacher mass. Only the soft-CE carries a gradient. ttt_forward computes the
+    same quantity through train.head_loss; this is the form for logits one already holds (the
+    SpecForge conformance check, tests).
     """
     if p_mass is None:
         p_mass = target_p.float().sum(-1)
@@ -140,8 +136,14 @@ def ttt_forward(
     decay: float = 0.8,
     position_ids: torch.Tensor | None = None,
     return_logits: bool = False,
+    head_chunk_rows: int | None = None,
 ) -> TTTOutput:
-    """Unroll ``steps`` drafter steps over every position at once and return loss and metrics."""
+    """Unroll ``steps`` drafter steps over every position at once and return loss and metrics.
+
+    ``return_logits``: also return every step's logits at every position (detached; computed apart
+    from the loss, for checks). ``head_chunk_rows``: rows per chunk of the loss head (default: ~64 MB
+    of fp32 logits, train.head_loss.default_chunk_rows).
+    """
     if steps < 1:
         raise ValueError(f"ttt_forward: steps must be >= 1, got {steps}")
     _check_shapes(input_ids, aux_hidden, attention_mask, loss_mask, teacher, position_ids)
@@ -154,56 +156,50 @@ def ttt_forward(
     if position_ids is None:
         position_ids = torch.arange(seq, device=device).expand(bsz, seq)
     t2d = drafter.t2d
-    d2t = drafter.d2t
     target_ids = teacher.target_ids.to(torch.int64)
     in_draft = t2d[target_ids.clamp(0, t2d.numel() - 1)] & (target_ids >= 0) & (target_ids < t2d.numel())
 
     cache = TTTCache()
     hidden = drafter.project(aux_hidden)
-    total = hidden.new_zeros((), dtype=torch.float32)
-    p_mass = teacher.target_p.float().sum(-1)  # [B, T]: 1 (or 0) for a renormalised teacher; summed once
-    zero = torch.zeros((), dtype=torch.float32, device=device)
-    rows_k: list[list[torch.Tensor]] = [[] for _ in range(5)]  # loss, n, correct, n_acc, accept
+    normed: list[torch.Tensor] = []
     all_logits: list[torch.Tensor] = []
     for k in range(steps):
         hidden = drafter(shift_left(ids, 1 + k), hidden, position_ids + k, cache, attention_mask)
-        span = max(seq - 2 - k, 0)  # positions t whose predicted token t+2+k exists
+        normed.append(drafter.norm(hidden))
         if return_logits:
-            logits = drafter.compute_logits(hidden)
-            all_logits.append(logits.detach())
-            lg = logits[:, :span]
-        else:  # slice the [B, T, H] input, not the logits: the slice's backward then zero-fills H, not Vd
-            logits = lg = drafter.compute_logits(hidden[:, :span])
-        count = counted_tok[:, 2 + k : 2 + k + span]
-        rows = slice(1 + k, 1 + k + span)
-        loss_pos = count & in_draft[:, rows]
-        ce, q, pred = soft_cross_entropy(lg, teacher.target_p[:, rows], p_mass[:, rows])
-        n_loss = loss_pos.sum()
-        loss_k = torch.where(loss_pos, ce, zero).sum() / n_loss.clamp(min=1)
-        total = total + (decay**k) * loss_k
-        with torch.no_grad():
-            correct = ((pred + d2t[pred]) == target_ids[:, rows]) & count
-            rows_k[0].append(loss_k.detach())
-            rows_k[1].append(n_loss)
-            rows_k[2].append(correct.sum())
-            rows_k[3].append(count.sum())
-            if teacher.p_on_draft is not None and span > 0:
-                overlap = torch.minimum(teacher.p_on_draft[:, rows].float(), q).sum(-1)
-                rows_k[4].append(torch.where(loss_pos, overlap, zero).sum())
-            else:
-                rows_k[4].append(zero)
-        del logits, lg, ce, q
-    with torch.no_grad():
-        stats = torch.stack([torch.stack(r).to(torch.float32) for r in rows_k])  # [5, K], still on device
+            with torch.no_grad():
+                all_logits.append(drafter.lm_head(normed[-1]).detach())
+
+    # Rows per step: position t counts iff token t+2+k is a real assistant token (so t < T-2-k);
+    # it is in the loss iff teacher row t+1+k's argmax is a draft token as well.
+    count = torch.zeros((steps, bsz, seq), dtype=torch.bool, device=device)
+    in_loss = torch.zeros((steps, bsz, seq), dtype=torch.bool, device=device)
+    for k in range(steps):
+        span = max(seq - 2 - k, 0)
+        count[k, :, :span] = counted_tok[:, 2 + k : 2 + k + span]
+        in_loss[k, :, :span] = count[k, :, :span] & in_draft[:, 1 + k : 1 + k + span]
+    n_loss = in_loss.sum((1, 2))  # [K]
+    n_acc = count.sum((1, 2))  # [K]
+    vd = teacher.target_p.shape[-1]
+    targets = HeadTargets(
+        target_p=teacher.target_p.reshape(-1, vd),
+        p_mass=teacher.target_p.float().sum(-1).reshape(-1),  # 1 (or 0) for a renormalised teacher; once
+        target_ids=target_ids.reshape(-1),
+        p_on_draft=None if teacher.p_on_draft is None else teacher.p_on_draft.reshape(-1, vd),
+        d2t=drafter.d2t,
+    )
+    head = head_loss(drafter.lm_head.weight, normed, count.view(steps, -1), in_loss.view(steps, -1), targets, decay,
+                     chunk_rows=head_chunk_rows)
+    f32 = torch.float32
     return TTTOutput(
-        loss=total,
-        step_loss=stats[0].clone(),
-        step_acc=stats[2] / stats[3].clamp(min=1),
-        step_accept=stats[4] / stats[1].clamp(min=1),
-        step_counts=stats[1].clone(),
-        step_correct=stats[2].clone(),
-        step_accept_sum=stats[4].clone(),
-        step_acc_counts=stats[3].clone(),
+        loss=head.loss,
+        step_loss=head.step_loss,
+        step_acc=head.step_correct / n_acc.to(f32).clamp(min=1),
+        step_accept=head.step_accept_sum / n_loss.to(f32).clamp(min=1),
+        step_counts=n_loss.to(f32),
+        step_correct=head.step_correct,
+        step_accept_sum=head.step_accept_sum,
+        step_acc_counts=n_acc.to(f32),
         logits=all_logits if return_logits else None,
     )
 

@@ -4,8 +4,9 @@ The first step's keys are attended causally (plus key padding); every later step
 own same-position ("diagonal") key. That is also the pattern of chain drafting in an engine (the
 drafter's keys for positions <= t come from the target's features, the later ones are its own),
 so training and offline evaluation share this code. Two implementations of the same math:
-``eager`` (a hand-written autograd kernel, the reference numerics) and ``sdpa`` (torch SDPA over
-the concatenated step keys, for GPU kernels that take masks).
+``eager`` (a hand-written autograd kernel over blocks of query rows, the reference numerics; it
+keeps no [T, T] scores for the backward) and ``sdpa`` (torch SDPA over the concatenated step keys,
+for GPU kernels that take masks).
 """
 
 from __future__ import annotations
@@ -82,47 +83,86 @@ def _causal_allowed(seq: int, attention_mask: torch.Tensor | None, device: torch
     return allowed
 
 
-def _eager_attention(q: torch.Tensor, cache: TTTCache, attention_mask: torch.Tensor | None) -> torch.Tensor:
-    """q [B, n_kv, g, T, hd] -> [B, n_kv, g, T, hd]; causal scores over step-0 keys + diagonal columns."""
-    seq = q.shape[-2]
+# Query rows per block of the eager kernel: the [rows, keys] fp32 score block of all heads is then
+# ~64 MB at most (T = 4096, 32 heads: 128 rows); at the demo shapes one block covers every row.
+EAGER_BLOCK_ELEMENTS = 1 << 24
+MIN_BLOCK_ROWS = 32
+
+
+def eager_block_rows(bsz: int, heads: int, seq: int) -> int:
+    return max(MIN_BLOCK_ROWS, EAGER_BLOCK_ELEMENTS // max(bsz * heads * seq, 1))
+
+
+def _eager_attention(
+    q: torch.Tensor, cache: TTTCache, attention_mask: torch.Tensor | None, block_rows: int | None = None
+) -> torch.Tensor:
+    """q [B, n_kv, g, T, hd] -> [B, n_kv, g, T, hd]; causal scores over step-0 keys + diagonal columns.
+
+    ``block_rows``: query rows per score block (default eager_block_rows).
+    """
+    bsz, nkv, groups, seq = q.shape[:4]
+    rows = block_rows or eager_block_rows(bsz, nkv * groups, seq)
     bias, dead = cache.causal_bias(seq, attention_mask, torch.promote_types(q.dtype, torch.float32), q.device)
-    return _TTTAttention.apply(q, bias, dead, len(cache.keys) - 1, *cache.keys, *cache.values)
+    return _TTTAttention.apply(q, bias, dead, len(cache.keys) - 1, rows, *cache.keys, *cache.values)
+
+
+def _blocks(seq: int, rows: int) -> list[tuple[int, int]]:
+    return [(a, min(a + rows, seq)) for a in range(0, seq, rows)]
 
 
 class _TTTAttention(torch.autograd.Function):
-    """One softmax over [causal step-0 keys | k diagonal keys] with a hand-written backward.
+    """One softmax over [causal step-0 keys | k diagonal keys] with a hand-written, blocked backward.
 
     Why: autograd over the plain expression materialises the [T, T] block five or six times per
-    step (scale, mask, concatenation with the diagonal, softmax, slicing, and the backward of
-    each). Here the block is written by a matmul, masked in place and passed through one
-    ``torch.softmax`` (whose vectorised exp is several times faster than ``exp_`` on CPU); the
-    diagonal keys join through the block's logsumexp (read off the softmax at its maximum), which
-    rescales only [T, hd]-sized tensors. The backward uses FlashAttention's identity
-    rowsum(P * dP) = rowsum(dO * O), so the block is touched only by the matmuls and two in-place
-    passes. The [T, T] math runs in fp32 or wider (as the reference softmax did); the matmuls run
-    in q's dtype. GQA groups are folded into the matmul rows ([B*n_kv, g*T, hd]), which also sums
-    the key/value gradients over the groups. Like masked_fill, the mask passes no gradient: a
-    query row with no visible key (padding, step 0) gets uniform weights and no score gradient.
+    step and keeps it for the backward: K steps x heads x T^2 fp32, 15 GB at T = 4096 with 32 heads
+    and K = 7. Here the queries run in blocks of rows; a block of rows [a, e) is scored only
+    against the keys it may see (0..e-1: the causal upper triangle beyond the block is never
+    computed), masked in place and passed through one ``torch.softmax`` (whose vectorised exp is
+    several times faster than ``exp_`` on CPU, and not slowed by the masked entries). With several
+    blocks nothing of them is kept: the backward recomputes each block's probabilities the same
+    way (one more q.k matmul and softmax per block, less work than the full [T, T] block of both
+    passes). A sequence that fits in one block (B * heads * T^2 <= EAGER_BLOCK_ELEMENTS) keeps its
+    probabilities instead (at most 64 MB per step): recomputing them would cost time for no gain
+    worth having. The diagonal keys join through the
+    block's logsumexp (read off the softmax at its maximum), which rescales only [T, hd]-sized
+    tensors. The backward uses FlashAttention's identity rowsum(P * dP) = rowsum(dO * O). The
+    score math runs in fp32 or wider (as the reference softmax did); the matmuls run in q's dtype.
+    GQA groups are folded into the matmul rows ([B*n_kv, g*rows, hd]), which also sums the
+    key/value gradients over the groups. Like masked_fill, the mask passes no gradient: a query
+    row with no visible key (an all-padding sample at step 0) gets uniform weights over the keys
+    of its block and no score gradient.
     """
 
     @staticmethod
-    def forward(ctx, q, bias, dead, n_diag, *kv):  # type: ignore[override]
+    def forward(ctx, q, bias, dead, n_diag, block_rows, *kv):  # type: ignore[override]
         bsz, nkv, groups, seq, hd = q.shape
         keys, values = kv[: n_diag + 1], kv[n_diag + 1:]
         dt, acc = q.dtype, bias.dtype
         qs = q * (1.0 / math.sqrt(hd))
         k0 = keys[0].reshape(bsz * nkv, seq, hd)
         v0 = values[0].reshape(bsz * nkv, seq, hd)
-        s0 = torch.bmm(qs.reshape(bsz * nkv, groups * seq, hd), k0.transpose(1, 2))
-        s0 = s0.view(bsz, nkv, groups, seq, seq).to(acc).add_(bias)
-        m0 = s0.amax(-1)  # [B, n_kv, g, T]
-        p0 = torch.softmax(s0, dim=-1)  # over the step-0 keys alone
-        del s0
-        out = torch.bmm(p0.view(bsz * nkv, groups * seq, seq).to(dt), v0).view(bsz, nkv, groups, seq, hd)
+        blocks = _blocks(seq, block_rows)
+        outs, lses = [], []
+        kept = None
+        for a, e in blocks:
+            n = e - a
+            s0 = torch.bmm(qs[..., a:e, :].reshape(bsz * nkv, groups * n, hd), k0[:, :e].transpose(1, 2))
+            s0 = s0.view(bsz, nkv, groups, n, e).to(acc).add_(bias[..., a:e, :e])
+            m0 = s0.amax(-1) if n_diag else None
+            p0 = torch.softmax(s0, dim=-1)  # over the step-0 keys alone
+            del s0
+            if n_diag:
+                lses.append(m0 - p0.amax(-1).log())  # p0's maximum is exp(m0 - lse0)
+            outs.append(torch.bmm(p0.view(bsz * nkv, groups * n, e).to(dt), v0[:, :e]).view(bsz, nkv, groups, n, hd))
+            if len(blocks) == 1:
+                kept = p0  # one block (at most EAGER_BLOCK_ELEMENTS): keep it rather than recompute it
+            del p0
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
+        del outs
         w0 = pd = None
         if n_diag:
-            lse0 = m0 - p0.amax(-1).log()  # p0's maximum is exp(m0 - lse0)
             dg = torch.stack([(qs * kj[:, :, None]).sum(-1) for kj in keys[1:]], dim=-1).to(acc)  # [.., T, k]
+            lse0 = lses[0] if len(lses) == 1 else torch.cat(lses, dim=-1)
             lse = torch.logsumexp(torch.cat((lse0[..., None], dg), dim=-1), dim=-1)
             w0 = torch.exp(lse0 - lse)[..., None]  # share of the step-0 keys in the joint softmax
             pd = torch.exp(dg - lse[..., None])  # probabilities of the diagonal keys
@@ -130,38 +170,70 @@ class _TTTAttention(torch.autograd.Function):
             for j, vj in enumerate(values[1:]):
                 out = out + pd[..., j : j + 1].to(dt) * vj[:, :, None]
         ctx.n_diag = n_diag
+        ctx.block_rows = block_rows
         ctx.dead = dead if n_diag == 0 else None  # with diagonal keys no row is empty
-        ctx.save_for_backward(qs, p0, out, *(() if w0 is None else (w0, pd)), *kv)
+        ctx.bias = bias
+        ctx.kept = kept is not None
+        ctx.save_for_backward(qs, out, *(() if kept is None else (kept,)), *(() if w0 is None else (w0, pd)), *kv)
         return out
 
     @staticmethod
     def backward(ctx, dout):  # type: ignore[override]
         n_diag = ctx.n_diag
         saved = ctx.saved_tensors
-        qs, p0, out = saved[:3]
+        qs, out = saved[:2]
+        kept = saved[2] if ctx.kept else None
+        saved = saved[3:] if ctx.kept else saved[2:]
         w0 = pd = None
         if n_diag:
-            w0, pd = saved[3:5]
-        kv = saved[5:] if n_diag else saved[3:]
+            w0, pd = saved[:2]
+        kv = saved[2:] if n_diag else saved
         keys, values = kv[: n_diag + 1], kv[n_diag + 1:]
+        bias, dead = ctx.bias, ctx.dead
         bsz, nkv, groups, seq, hd = qs.shape
-        dt, acc = qs.dtype, p0.dtype
+        dt, acc = qs.dtype, bias.dtype
         dout = dout.to(dt)
         rowdot = (dout.to(acc) * out.to(acc)).sum(-1, keepdim=True)  # [.., T, 1] = rowsum(P * dP), all keys
-        # step-0 block: P0 = w0 * p0, so scale dO (small) instead of the [T, T] block
+        # step-0 block: P0 = w0 * p0, so scale dO (small) instead of the score block
         do0 = dout if w0 is None else dout * w0.to(dt)
-        do3 = do0.reshape(bsz * nkv, groups * seq, hd)
+        rd0 = rowdot if w0 is None else rowdot * w0
         k0 = keys[0].reshape(bsz * nkv, seq, hd)
         v0 = values[0].reshape(bsz * nkv, seq, hd)
-        p3 = p0.view(bsz * nkv, groups * seq, seq)
-        dv0 = torch.bmm(p3.to(dt).transpose(1, 2), do3)  # [B*n_kv, T, hd], summed over the groups
-        dp = torch.bmm(do3, v0.transpose(1, 2)).to(acc).view(bsz, nkv, groups, seq, seq)
-        ds = dp.sub_(rowdot if w0 is None else rowdot * w0).mul_(p0)
-        if ctx.dead is not None:
-            ds.masked_fill_(ctx.dead, 0.0)
-        ds3 = ds.view(bsz * nkv, groups * seq, seq).to(dt)
-        dqs = torch.bmm(ds3, k0).view(bsz, nkv, groups, seq, hd)
-        dk0 = torch.bmm(ds3.transpose(1, 2), qs.reshape(bsz * nkv, groups * seq, hd))
+        blocks = _blocks(seq, ctx.block_rows)
+        dqs_blocks = []
+        dk0 = dv0 = None
+        for a, e in blocks:
+            n = e - a
+            q3 = qs[..., a:e, :].reshape(bsz * nkv, groups * n, hd)
+            if kept is not None:
+                p0 = kept
+            else:  # the forward's softmax again (not exp(s - lse): exp of the masked entries is slow on CPU)
+                s0 = torch.bmm(q3, k0[:, :e].transpose(1, 2)).view(bsz, nkv, groups, n, e).to(acc)
+                p0 = torch.softmax(s0.add_(bias[..., a:e, :e]), dim=-1)
+                del s0
+            p3 = p0.view(bsz * nkv, groups * n, e)
+            do3 = do0[..., a:e, :].reshape(bsz * nkv, groups * n, hd)
+            dv = torch.bmm(p3.to(dt).transpose(1, 2), do3)  # [B*n_kv, e, hd], summed over the groups
+            dp = torch.bmm(do3, v0[:, :e].transpose(1, 2)).to(acc).view(bsz, nkv, groups, n, e)
+            ds = dp.sub_(rd0[..., a:e, :]).mul_(p0)
+            del p0, p3
+            kept = None
+            if dead is not None:
+                ds.masked_fill_(dead[..., a:e, :], 0.0)
+            ds3 = ds.view(bsz * nkv, groups * n, e).to(dt)
+            dqs_blocks.append(torch.bmm(ds3, k0[:, :e]).view(bsz, nkv, groups, n, hd))
+            dk = torch.bmm(ds3.transpose(1, 2), q3)
+            del ds, ds3
+            if len(blocks) == 1:
+                dk0, dv0 = dk, dv
+            else:
+                if dk0 is None:
+                    dk0, dv0 = torch.zeros_like(k0), torch.zeros_like(v0)
+                dk0[:, :e] += dk
+                dv0[:, :e] += dv
+            del dk, dv
+        dqs = dqs_blocks[0] if len(dqs_blocks) == 1 else torch.cat(dqs_blocks, dim=-2)
+        del dqs_blocks
         dkeys = [dk0.view(bsz, nkv, seq, hd)]
         dvalues = [dv0.view(bsz, nkv, seq, hd)]
         if n_diag:
@@ -173,7 +245,7 @@ class _TTTAttention(torch.autograd.Function):
                 dkeys.append((w * qs).sum(2))
                 dvalues.append((pd[..., j : j + 1].to(dt) * dout).sum(2))
         dq = dqs * (1.0 / math.sqrt(hd))
-        return (dq, None, None, None, *dkeys, *dvalues)
+        return (dq, None, None, None, None, *dkeys, *dvalues)
 
 
 def _sdpa_attention(q: torch.Tensor, cache: TTTCache, attention_mask: torch.Tensor | None) -> torch.Tensor:
