@@ -10,15 +10,13 @@ depend on the world size, and a killed run rerun with the same command produces 
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import hashlib
 import json
 import logging
-import os
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -30,7 +28,6 @@ from core.atomic import atomic_write_text
 from core.batching import pack_batches
 from core.config import ConfigError
 from core.dataset.format import (
-    MANIFEST_NAME,
     SampleFeatures,
     ShardInfo,
     bytes_per_token,
@@ -38,7 +35,7 @@ from core.dataset.format import (
     features_are_finite,
     shard_relpath,
 )
-from core.dataset.writer import ShardWriter, finalize_dataset, read_shard_info
+from core.dataset.writer import ShardWriter, finalize_dataset
 from core.embedded import SELF_DATA, resolve_data, resolve_target
 from extract.backends.base import GenerationConfig, TargetBackend, TeacherSpec
 from extract.chat import TokenizedSample, chat_template_hash, tokenize_conversation, tokenizer_hash
@@ -53,15 +50,24 @@ from extract.generated import (
 from extract.records import Record, read_records, write_records_jsonl
 from extract.regen_engines import Regenerator, make_regenerator
 from extract.regenerate import regenerate_records
+from extract.run_state import (
+    HEADER_NAME,
+    REGEN_DIR,
+    REGEN_NAME,
+    check_path,
+    concat_regenerated,
+    expected_checksums,
+    plan_shards,
+    rank_lock,
+    read_checks,
+    remove_stale_temps,
+    shard_is_done,
+)
 from extract.self_prompts import SelfPromptsResult, synthesise
-from extract.shard_plan import cut_shards, feature_widths, regenerated_bytes_bound, sample_bytes
+from extract.shard_plan import feature_widths, regenerated_bytes_bound, sample_bytes
 
 log = logging.getLogger(__name__)
 
-PLAN_NAME = "plan.json"
-HEADER_NAME = "header.json"
-REGEN_DIR = "regenerated"
-REGEN_NAME = "regenerated.jsonl"
 
 
 @dataclass
@@ -97,24 +103,6 @@ class ExtractSummary:
             f"{self.truncated} truncated; {exact}skipped: {skipped}; {bpt:,.0f} bytes/token; {self.seconds:.1f} s "
             f"({rate:,.0f} tok/s); {done}"
         )
-
-
-@contextlib.contextmanager
-def rank_lock(out: Path, rank: int) -> Iterator[None]:
-    """Hold an exclusive lock for this rank of this folder, so two runs never interleave shards."""
-    lock_dir = out / ".locks"
-    lock_dir.mkdir(parents=True, exist_ok=True)
-    with open(lock_dir / f"rank-{rank:05d}.lock", "a+") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise ConfigError(
-                f"{out}: another extraction process is already writing rank {rank} of this folder"
-            ) from None
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _file_fingerprint(path: Path) -> dict[str, Any]:
@@ -165,29 +153,6 @@ def make_plan(
 
 def _sha256_json(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
-
-
-_DERIVED = ("shard_starts", "num_shards")  # plan.json keys computed from the others
-
-
-def plan_shards(out: Path, plan: dict[str, Any], sizes: Callable[[], list[int]]) -> list[int]:
-    """The shard starts of this folder: those in plan.json when it was started with the same settings,
-    else cut from `sizes()` (bytes per record) and written there. Refuses a folder started otherwise."""
-    path = out / PLAN_NAME
-    if path.exists():
-        old = json.loads(path.read_text())
-        diff = sorted(k for k in (set(old) | set(plan)) - set(_DERIVED) if old.get(k) != plan.get(k))
-        if diff:
-            details = "; ".join(f"{k}: folder has {old.get(k)!r}, this run {plan.get(k)!r}" for k in diff)
-            raise ConfigError(f"{out} holds an extraction with other settings ({details}); use a new --out")
-        return [int(x) for x in old["shard_starts"]]
-    start = time.perf_counter()
-    starts = cut_shards(sizes(), shard_bytes=plan["shard_bytes"], max_records=plan["samples_per_shard"])
-    log.info("planned %d shards of <= %d records and <= %s feature bytes in %.1f s", len(starts) - 1,
-             plan["samples_per_shard"], f"{plan['shard_bytes']:,}", time.perf_counter() - start)
-    full = {**plan, "num_shards": len(starts) - 1, "shard_starts": starts}
-    atomic_write_text(path, json.dumps(full, indent=2, sort_keys=True) + "\n")
-    return starts
 
 
 def record_sizes(cfg: ExtractConfig, tokenizer: Callable[[], Any], records: Sequence[Record], bpt: int) -> list[int]:
@@ -371,9 +336,9 @@ def extract_shard(
         checked = _check_shard(shard, [(items[i], problems[i]) for i in keep if i in problems])
         # The check goes to disk before the shard: a shard at its final name always has one.
         if checked.samples or cfg.regenerate:
-            atomic_write_text(_check_path(out, shard), json.dumps(checked.to_json(), sort_keys=True) + "\n")
+            atomic_write_text(check_path(out, shard), json.dumps(checked.to_json(), sort_keys=True) + "\n")
         else:
-            _check_path(out, shard).unlink(missing_ok=True)
+            check_path(out, shard).unlink(missing_ok=True)
         info = writer.finish(skipped)
     return ShardResult(info, skipped, checked, truncated)
 
@@ -405,75 +370,6 @@ def _check_shard(shard: int, checked: list[tuple[_Item, str | None]]) -> Exactne
             log.warning("shard %d, sample %s (%s): not stored as generated: %s", shard, it.sample_id,
                         it.record.origin, problem)
     return counts
-
-
-def _check_path(out: Path, shard: int) -> Path:
-    return out / REGEN_DIR / f"shard-{shard:06d}.check.json"
-
-
-def _read_checks(out: Path, num_shards: int) -> dict[str, Any] | None:
-    """The dataset's `regeneration` manifest entry: the shards' checks summed (None: no generated samples)."""
-    total, found = ExactnessCounts(), False
-    for s in range(num_shards):
-        path = _check_path(out, s)
-        if path.exists():
-            total.merge(ExactnessCounts.from_json(json.loads(path.read_text())))
-            found = True
-    if not found:
-        return None
-    if total.mismatched_samples:
-        log.warning("%d of %d samples built from generated ids are not stored as generated; first: %s",
-                    total.mismatched_samples, total.samples,
-                    ", ".join(f"{m['id']} ({m['problem']})" for m in total.first_mismatches[:3]))
-    return total.to_json()
-
-
-def _expected_checksums(out: Path) -> dict[str, str]:
-    path = out / MANIFEST_NAME
-    if not path.exists():
-        return {}
-    return {s["path"]: s["sha256"] for s in json.loads(path.read_text()).get("shards", [])}
-
-
-def _shard_is_done(out: Path, shard: int, expected: dict[str, str]) -> bool:
-    try:
-        info = read_shard_info(out, shard)
-    except Exception as e:  # a shard that does not parse is redone, whatever the reason
-        log.warning("%s: unreadable (%s); redoing it", out / shard_relpath(shard), e)
-        return False
-    if info is None:
-        return False
-    want = expected.get(info.path)
-    if want is not None and want != info.sha256:
-        log.warning("%s: checksum differs from manifest.json; redoing it", out / info.path)
-        return False
-    return True
-
-
-def _remove_stale_temps(out: Path, shards: Sequence[int]) -> None:
-    """Delete temp files a killed run left for this rank's shards (a shard temp can be gigabytes).
-
-    Only this rank writes these shards and we hold its lock, so no live writer owns them.
-    """
-    for s in shards:
-        name = Path(shard_relpath(s)).name
-        for folder, pattern in ((out / Path(shard_relpath(s)).parent, f".{name}.tmp-*"),
-                                (out / REGEN_DIR, f".shard-{s:06d}.jsonl.tmp-*"),
-                                (out / REGEN_DIR, f".shard-{s:06d}.check.json.tmp-*")):
-            for tmp in folder.glob(pattern) if folder.is_dir() else []:
-                log.info("%s: removing the temp file of an interrupted run", tmp)
-                tmp.unlink(missing_ok=True)
-
-
-def _concat_regenerated(out: Path, num_shards: int) -> None:
-    target = out / REGEN_NAME
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as dst:
-        for s in range(num_shards):
-            dst.write((out / REGEN_DIR / f"shard-{s:06d}.jsonl").read_bytes())
-        dst.flush()
-        os.fsync(dst.fileno())
-    os.replace(tmp, target)
 
 
 class _Engines:
@@ -576,10 +472,10 @@ def _extract(cfg: ExtractConfig, out: Path, target_path: Path, inputs: list[Path
                                                              records, bpt))
         num_shards = len(starts) - 1
         summary = ExtractSummary(rank=cfg.rank, world_size=cfg.world_size, shards_total=num_shards)
-        expected = _expected_checksums(out)
+        expected = expected_checksums(out)
         mine = [s for s in range(num_shards) if s % cfg.world_size == cfg.rank]
-        _remove_stale_temps(out, mine)
-        todo = [s for s in mine if not _shard_is_done(out, s, expected)]
+        remove_stale_temps(out, mine)
+        todo = [s for s in mine if not shard_is_done(out, s, expected)]
         summary.shards_reused = len(mine) - len(todo)
         header_path = out / HEADER_NAME
         backend: TargetBackend | None = None
@@ -615,9 +511,9 @@ def _extract(cfg: ExtractConfig, out: Path, target_path: Path, inputs: list[Path
 
         if cfg.finalize and all((out / shard_relpath(s)).exists() for s in range(num_shards)):
             header = json.loads(header_path.read_text())
-            header["regeneration"] = _read_checks(out, num_shards)
+            header["regeneration"] = read_checks(out, num_shards)
             if cfg.regenerate:
-                _concat_regenerated(out, num_shards)
+                concat_regenerated(out, num_shards)
             summary.manifest = finalize_dataset(out, num_shards=num_shards, header=header,
                                                 vocab_size=header["vocab_size"])
     summary.seconds = time.perf_counter() - start

@@ -247,7 +247,7 @@ def test_pack_batches_bounds_padded_tokens():
 
 
 def _try_lock(path: str, queue) -> None:
-    from extract.pipeline import rank_lock
+    from extract.run_state import rank_lock
 
     try:
         with rank_lock(Path(path), 0):
@@ -259,7 +259,7 @@ def _try_lock(path: str, queue) -> None:
 def test_second_process_on_the_same_rank_is_refused(tmp_path):
     import multiprocessing as mp
 
-    from extract.pipeline import rank_lock
+    from extract.run_state import rank_lock
 
     ctx = mp.get_context("fork")
     queue = ctx.Queue()

@@ -37,8 +37,9 @@ from core.dataset.reader import DatasetReader
 from extract.__main__ import main as extract_main
 from extract.backends.hf import HFTarget
 from extract.config import parse_args
-from extract.pipeline import rank_lock, run_extraction
+from extract.pipeline import run_extraction
 from extract.records import BadRecordError, read_records
+from extract.run_state import rank_lock
 from extract.verify import verify_dataset
 
 NUM_SAMPLES = 240
