@@ -74,6 +74,25 @@ class LLM:
 '''
 
 
+# vllm.platforms as the driver reads it (the stand-in runs on a CPU, like vLLM CPU here).
+FAKE_PLATFORMS = '''
+class _Platform:
+    def is_cpu(self):
+        return True
+
+
+current_platform = _Platform()
+'''
+
+
+def write_fake_vllm(folder: Path, init: str = FAKE_VLLM) -> Path:
+    """A ``vllm`` package folder holding the stand-in; returns the folder to put on PYTHONPATH."""
+    (folder / "vllm").mkdir(parents=True)
+    (folder / "vllm" / "__init__.py").write_text(init)
+    (folder / "vllm" / "platforms.py").write_text(FAKE_PLATFORMS)
+    return folder
+
+
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("online")
@@ -85,9 +104,7 @@ def world(tmp_path_factory):
     ckpt = root / "ckpt"
     ckpt.mkdir()
     write_drafter_folder(ckpt, drafter.config, drafter.serving_state_dict(), {"step": 1})
-    fake = root / "fake"
-    (fake / "vllm").mkdir(parents=True)
-    (fake / "vllm" / "__init__.py").write_text(FAKE_VLLM)
+    fake = write_fake_vllm(root / "fake")
     return dict(root=root, case=case, data=data, target=target, ckpt=ckpt, fake=fake)
 
 
@@ -205,13 +222,11 @@ def test_driver_usage_error():
 
 
 def test_engine_timeout_stops_it(world, tmp_path):
-    slow = tmp_path / "slow" / "vllm"
-    slow.mkdir(parents=True)
-    (slow / "__init__.py").write_text(FAKE_VLLM.replace("    def generate(self, prompts, params, use_tqdm=False):\n",
-                                                        "    def generate(self, prompts, params, use_tqdm=False):\n"
-                                                        "        import time; time.sleep(60)\n"))
+    slow = write_fake_vllm(tmp_path / "slow", FAKE_VLLM.replace(
+        "    def generate(self, prompts, params, use_tqdm=False):\n",
+        "    def generate(self, prompts, params, use_tqdm=False):\n        import time; time.sleep(60)\n"))
     reader = DatasetReader(world["data"])
     settings = online.OnlineSettings(steps=STEPS, speed_samples=0, engine_python=sys.executable, timeout_s=3,
-                                     extra_env={"PYTHONPATH": str(slow.parent)})
+                                     extra_env={"PYTHONPATH": str(slow)})
     with pytest.raises(online.OnlineError, match="ran past 3 s"):
         online.measure(world["ckpt"], reader, [0], settings, target=str(world["target"]))
