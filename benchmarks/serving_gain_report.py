@@ -31,7 +31,8 @@ DEFINITIONS = {
     "accept_length": "tau = 1 + accepted / drafts of the /metrics spec-decode counters' differences around each "
                      "setting, summed over repeats (the engine's own number); n/a: no drafter",
     "accept_per_pos": "accepted at draft position k / drafts, same counters",
-    "ratio_to_base": "median over repeats of server / base in the same repeat (above 1: faster than base)",
+    "ratio_to_base": "per concurrency: median over repeats of server / base in the same repeat (above 1: faster "
+                     "than base); in the headline (single stream, peak): the ratio of the medians",
     "startup_s": "server process start until /v1/models answers, per start; not in any rate",
 }
 
