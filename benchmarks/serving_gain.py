@@ -192,7 +192,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "repeats": args.repeats, "dtype": args.dtype, "max_model_len": args.max_model_len,
                 "kv_cache_bytes": args.kv_cache_bytes, "engine_python": python, "engine_source": where,
                 "threads": args.threads or os.environ.get("OMP_NUM_THREADS"), "host": platform.node(),
-                "cpus": os.cpu_count(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+                "cpus": os.cpu_count(), "loadavg_at_start": list(os.getloadavg()),
+                "command": " ".join(["python benchmarks/serving_gain.py", *(args.argv or [])]),
+                "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     extra_env = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else None
     runs: list[dict[str, Any]] = []
     report: dict[str, Any] = {}
@@ -244,6 +246,7 @@ def write_outputs(report: dict[str, Any], out: Path, plot: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_hyphenated(build_parser(), argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         report = run(args)

@@ -193,7 +193,9 @@ def markdown(report: dict[str, Any]) -> str:
              f"Target `{s['target']}`, vLLM {report.get('vllm_version') or '?'} ({s['engine_python']}), dtype "
              f"{s['dtype']}, {s['steps']} draft tokens; {s['num_prompts']} MT-bench first turns, max {s['max_tokens']} "
              f"new tokens, greedy; concurrency {s['concurrency']}; {s['repeats']} interleaved repeat(s) "
-             f"({' -> '.join(s['servers'])}), each on a freshly started server.", ""]
+             f"({' -> '.join(s['servers'])}), each on a freshly started server.", "",
+             f"Command: `{s.get('command', '?')}`; {s.get('cpus')} CPUs, load average at start "
+             f"{'/'.join(f'{x:.1f}' for x in s.get('loadavg_at_start') or [])}.", ""]
     for name, srv in report["servers"].items():
         lines.append(f"- **{name}**: {srv['label']}" + (f" (`{srv['source']}`; {srv['how']})" if srv["source"] else ""))
     lines += ["", "## The seed's table in miniature", "", markdown_table(headline_rows(report)), "",
@@ -227,7 +229,7 @@ def write_plot(report: dict[str, Any], path: Path) -> None:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     st = report["settings"]
-    fig.suptitle(f"{st['target']} in vLLM {report.get('vllm_version') or ''}: {st['num_prompts']} MT-bench prompts, "
+    fig.suptitle(f"{Path(st['target']).name} in vLLM {report.get('vllm_version') or ''}: {st['num_prompts']} MT-bench prompts, "
                  f"max {st['max_tokens']} tokens, {st['repeats']} repeat(s)", fontsize=9)
     fig.tight_layout()
     atomic_write_png(fig, path)
