@@ -20,6 +20,8 @@ from typing import Any
 
 from core.atomic import atomic_write_text
 from core.plotting import atomic_write_png, pyplot
+from eval.serving_report import render_markdown_table as markdown_table
+from eval.serving_report import tokens_axes
 
 BASE = "base"
 DEFINITIONS = {
@@ -181,12 +183,6 @@ def detail_rows(report: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
-def markdown_table(rows: list[list[str]]) -> str:
-    out = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
-    out += ["| " + " | ".join(r) + " |" for r in rows[1:]]
-    return "\n".join(out)
-
-
 def markdown(report: dict[str, Any]) -> str:
     s = report["settings"]
     lines = ["# Serving gain: base, A, B in vLLM", "",
@@ -222,12 +218,7 @@ def write_plot(report: dict[str, Any], path: Path) -> None:
             lo = [m - (lv[key]["min"] or m) for m, lv in zip(med, levels, strict=True)]
             hi = [(lv[key]["max"] or m) - m for m, lv in zip(med, levels, strict=True)]
             ax.errorbar(xs, med, yerr=[lo, hi], marker="o", capsize=3, label=label)
-    for ax, title in zip(axes, ("aggregate output tokens/s", "per-stream output tokens/s"), strict=True):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrency")
-        ax.set_title(title)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
+    tokens_axes(axes)
     st = report["settings"]
     fig.suptitle(f"{Path(st['target']).name} in vLLM {report.get('vllm_version') or ''}: {st['num_prompts']} MT-bench prompts, "
                  f"max {st['max_tokens']} tokens, {st['repeats']} repeat(s)", fontsize=9)
