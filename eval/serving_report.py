@@ -379,6 +379,16 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
     atomic_write_bytes(path, render_markdown(report).encode())
 
 
+def tokens_axes(axes: Any) -> None:
+    """The two panels of a serving plot (aggregate, per-stream tokens/s) against concurrency on a log2 axis."""
+    for ax, title in zip(axes, ("aggregate output tokens/s", "per-stream output tokens/s"), strict=True):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+
+
 def write_plot(report: dict[str, Any], path: Path) -> None:
     """Aggregate and per-stream tokens/s against concurrency (log2 x axis), one line per server."""
     plt = pyplot()
@@ -390,12 +400,7 @@ def write_plot(report: dict[str, Any], path: Path) -> None:
         label = f"{ROLE_TITLES.get(role, role)} ({server['url']})"
         axes[0].plot(xs, [lv["aggregate_tok_s"] for lv in levels], marker="o", label=label)
         axes[1].plot(xs, [lv["per_stream_tok_s"] or 0.0 for lv in levels], marker="o", label=label)
-    for ax, title in zip(axes, ("aggregate output tokens/s", "per-stream output tokens/s"), strict=True):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrency")
-        ax.set_title(title)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
+    tokens_axes(axes)
     s = report["settings"]
     fig.suptitle(f"max_tokens {s.get('max_tokens')}, prompts {Path(str(s.get('prompts'))).name}", fontsize=9)
     fig.tight_layout()
