@@ -18,9 +18,10 @@ batches the stage forwarded (read back from the dataset it wrote, packed by the 
 ``core.batching.pack_batches`` with the same ``--batch-tokens``), padded as the capture pads them. Both
 are counted in real (unpadded) tokens. Stage and bare repeats are interleaved (stage then bare, then bare
 then stage, ...) so load from elsewhere hits both; reported: median, best and the spread, and the ratio
-stage / bare per pair of neighbouring runs. The model load is a fixed cost that a large run amortises,
-so the ratio is also given without the ``load`` part. The first stage run in this process (imports,
-allocator warm-up) is kept apart and reported, not counted.
+stage / bare per pair of neighbouring runs. The model load (or engine start) and the engines' close are
+fixed costs that a large run amortises, so the ratio is also given without the ``load`` and ``close``
+parts. The first stage run in this process (imports, allocator warm-up) is kept apart and reported, not
+counted.
 
 Also reports bytes per token for bf16/fp8 x topk/last_hidden, measured from shards the stage writes
 (``--sizes-samples`` records) and computed from the same layout for Kimi-K2.5's shapes (H = 7168), next to
@@ -179,7 +180,8 @@ def summarise(name: str, argv: list[str], stages: list[dict[str, Any]], bare: li
     if sum(len(s) for b in batches for s in b) != tokens:
         raise RuntimeError(f"{name}: the batches hold other tokens than the stage stored")
     secs = [s["seconds"] for s in stages]
-    no_load = [s["seconds"] - s["parts"].get("load", 0.0) for s in stages]
+    # The fixed costs a long run amortises: the model load or engine start, and closing the engines.
+    no_load = [s["seconds"] - s["parts"].get("load", 0.0) - s["parts"].get("close", 0.0) for s in stages]
     median_run = secs.index(statistics.median_low(secs))
     parts = stages[median_run]["parts"]
     fwd = [s["parts"].get("capture", 0.0) + s["parts"].get("teacher", 0.0) for s in stages]
@@ -259,6 +261,8 @@ def storage(args: argparse.Namespace, root: Path, hidden_size: int, num_aux: int
 
 
 def format_tables(report: dict[str, Any]) -> str:
+    from extract.timing import ordered
+
     runs = report["runs"]
     m = report["machine"]
     lines = [f"Extraction stage on {report['target']} ({report['data']}), {report['dtype']}, "
@@ -275,7 +279,7 @@ def format_tables(report: dict[str, Any]) -> str:
     row("stage tok/s, median (min-max)",
         [f"{r['stage']['tok_s']['median']:,.0f} ({r['stage']['tok_s']['min']:,.0f}-{r['stage']['tok_s']['max']:,.0f})"
          for r in runs])
-    row("stage tok/s without load, median",
+    row("stage tok/s without load/close, median",
         [f"{r['stage']['tok_s_without_load']['median']:,.0f}" for r in runs])
     row("bare backbone tok/s, median (min-max)",
         [f"{r['bare']['tok_s']['median']:,.0f} ({r['bare']['tok_s']['min']:,.0f}-{r['bare']['tok_s']['max']:,.0f})"
@@ -283,13 +287,11 @@ def format_tables(report: dict[str, Any]) -> str:
     row("**stage / bare**, median (paired min-max)",
         [f"**{r['ratio']['median']:.2f}** ({r['ratio']['paired_min']:.2f}-{r['ratio']['paired_max']:.2f})"
          for r in runs])
-    row("stage without load / bare, median (paired min-max)",
+    row("stage without load/close / bare, median (paired min-max)",
         [f"{r['ratio_without_load']['median']:.2f} ({r['ratio_without_load']['paired_min']:.2f}-"
          f"{r['ratio_without_load']['paired_max']:.2f})" for r in runs])
     row("capture + teacher / bare, median", [f"{r['ratio_capture_and_teacher']:.2f}" for r in runs])
-    names: list[str] = []
-    for r in runs:
-        names += [k for k in r["parts_of_median_run"] if k not in names]
+    names = list(ordered({k: 0.0 for r in runs for k in r["parts_of_median_run"]}))
     lines += ["", "Parts of the median stage run, seconds (share of the stage's wall time):", "", head,
               "|---|" + "---:|" * len(runs)]
     for part in names:
@@ -350,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     print(tables)
     r0 = runs[0]
     print(f"\nwhole stage / bare backbone forward without regeneration: {r0['ratio']['median']:.2f} "
-          f"(goal >= {GOAL}); without the model load {r0['ratio_without_load']['median']:.2f}")
+          f"(goal >= {GOAL}); without the model load and close {r0['ratio_without_load']['median']:.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     if args.markdown:
