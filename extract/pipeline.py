@@ -65,6 +65,7 @@ from extract.run_state import (
 )
 from extract.self_prompts import SelfPromptsResult, synthesise
 from extract.shard_plan import feature_widths, regenerated_bytes_bound, sample_bytes
+from extract.timing import StageClock, describe, span
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,8 @@ class ExtractSummary:
     generated: ExactnessCounts = field(default_factory=ExactnessCounts)  # samples captured from generated ids
     bytes_written: int = 0
     seconds: float = 0.0
+    # Where the seconds went (extract.timing): exclusive parts that add up to `seconds`.
+    parts: dict[str, float] = field(default_factory=dict)
     manifest: dict[str, Any] | None = None
 
     def line(self) -> str:
@@ -101,7 +104,7 @@ class ExtractSummary:
             f"rank {self.rank}/{self.world_size}: {self.shards_written} shards written, {self.shards_reused} reused "
             f"of {self.shards_total}; {self.samples} samples, {self.tokens} tokens ({self.loss_tokens} loss tokens), "
             f"{self.truncated} truncated; {exact}skipped: {skipped}; {bpt:,.0f} bytes/token; {self.seconds:.1f} s "
-            f"({rate:,.0f} tok/s); {done}"
+            f"({rate:,.0f} tok/s; {describe(self.parts)}); {done}"
         )
 
 
@@ -162,8 +165,9 @@ def record_sizes(cfg: ExtractConfig, tokenizer: Callable[[], Any], records: Sequ
         return [regenerated_bytes_bound(r, max_length=cfg.max_length, max_user_turns=cfg.max_user_turns,
                                         bytes_per_token=bpt) for r in records]
     tok = tokenizer()
-    return [sum(sample_bytes(len(it.input_ids), bpt) for it in _items(cfg, tok, [r]) if any(it.loss_mask))
-            for r in records]
+    with span("tokenize"):
+        return [sum(sample_bytes(len(it.input_ids), bpt) for it in _items(cfg, tok, [r]) if any(it.loss_mask))
+                for r in records]
 
 
 def _generation(cfg: ExtractConfig, shard: int = 0) -> GenerationConfig:
@@ -291,9 +295,11 @@ def extract_shard(
     is written before the shard is renamed into place, so a shard at its final name always has one.
     """
     if cfg.regenerate:
-        records = _regenerated_shard(cfg, out, shard, records, backend, regenerator)
+        with span("regenerate"):
+            records = _regenerated_shard(cfg, out, shard, records, backend, regenerator)
     skipped: Counter = Counter()
-    items = _items(cfg, backend.tokenizer, records)
+    with span("tokenize"):
+        items = _items(cfg, backend.tokenizer, records)
     # Progress counts records (a conversation may give several samples): done with its last sample.
     left = Counter(id(it.record) for it in items)
 
@@ -313,33 +319,36 @@ def extract_shard(
                      num_aux=len(backend.info.aux_layer_ids)) as writer:
         for batch in pack_batches([len(items[i].input_ids) for i in keep], cfg.batch_tokens):
             idx = [keep[j] for j in batch]
-            captured = backend.capture([items[i].input_ids for i in idx], teacher)
-            for i, cap in zip(idx, captured, strict=True):
-                it = items[i]
-                sample = _sample(it, cap)
-                if features_are_finite(sample):
-                    writer.add(sample, position=i)
-                    truncated += it.truncated
-                    if it.generated is not None:
-                        problems[i] = check_generated(sample.input_ids.tolist(), sample.loss_mask.tolist(),
-                                                      it.generated.turns, sample.truncated)
-                else:
-                    log.warning("sample %s (%s): captured features are not finite; skipped", it.sample_id,
-                                it.record.origin)
-                    skipped["non_finite"] += 1
-                done(i)
-            # Let go of this batch's features before the next capture allocates its own.
-            del captured, cap, sample
+            with span("capture"):
+                captured = backend.capture([items[i].input_ids for i in idx], teacher)
+            with span("write"):
+                for i, cap in zip(idx, captured, strict=True):
+                    it = items[i]
+                    sample = _sample(it, cap)
+                    if features_are_finite(sample):
+                        writer.add(sample, position=i)
+                        truncated += it.truncated
+                        if it.generated is not None:
+                            problems[i] = check_generated(sample.input_ids.tolist(), sample.loss_mask.tolist(),
+                                                          it.generated.turns, sample.truncated)
+                    else:
+                        log.warning("sample %s (%s): captured features are not finite; skipped", it.sample_id,
+                                    it.record.origin)
+                        skipped["non_finite"] += 1
+                    done(i)
+                # Let go of this batch's features before the next capture allocates its own.
+                del captured, cap, sample
             progress.tokens += sum(len(items[i].input_ids) for i in idx)
             progress.set_postfix(tok_s=f"{progress.tokens / max(progress.format_dict['elapsed'], 1e-9):.0f}",
                                  refresh=False)
-        checked = _check_shard(shard, [(items[i], problems[i]) for i in keep if i in problems])
-        # The check goes to disk before the shard: a shard at its final name always has one.
-        if checked.samples or cfg.regenerate:
-            atomic_write_text(check_path(out, shard), json.dumps(checked.to_json(), sort_keys=True) + "\n")
-        else:
-            check_path(out, shard).unlink(missing_ok=True)
-        info = writer.finish(skipped)
+        with span("write"):
+            checked = _check_shard(shard, [(items[i], problems[i]) for i in keep if i in problems])
+            # The check goes to disk before the shard: a shard at its final name always has one.
+            if checked.samples or cfg.regenerate:
+                atomic_write_text(check_path(out, shard), json.dumps(checked.to_json(), sort_keys=True) + "\n")
+            else:
+                check_path(out, shard).unlink(missing_ok=True)
+            info = writer.finish(skipped)
     return ShardResult(info, skipped, checked, truncated)
 
 
@@ -433,6 +442,11 @@ def self_prompts(cfg: ExtractConfig, out: Path, engines: _Engines) -> SelfPrompt
 def run_extraction(cfg: ExtractConfig) -> ExtractSummary:
     """Do this rank's shards, then assemble the manifest if every rank is done."""
     start = time.perf_counter()
+    with StageClock() as clock:
+        return _run(cfg, clock, start)
+
+
+def _run(cfg: ExtractConfig, clock: StageClock, start: float) -> ExtractSummary:
     given = {d: resolve_data(d) for d in cfg.data if d != SELF_DATA}
     out = Path(cfg.out)
     engines: _Engines | None = None
@@ -441,55 +455,60 @@ def run_extraction(cfg: ExtractConfig) -> ExtractSummary:
         engines = _Engines(cfg, resolve_target(cfg.target))
         try:
             out.mkdir(parents=True, exist_ok=True)
-            written = self_prompts(cfg, out, engines)
+            with span("self_prompts"):
+                written = self_prompts(cfg, out, engines)
         except BaseException:
             engines.close()
             raise
     inputs = [written.path if d == SELF_DATA and written is not None else given[d] for d in cfg.data]
     try:
-        parsed = read_records(inputs, require_assistant=not cfg.regenerate, strict=cfg.strict,
-                              max_records=cfg.max_samples or None)
+        with span("read"):
+            parsed = read_records(inputs, require_assistant=not cfg.regenerate, strict=cfg.strict,
+                                  max_records=cfg.max_samples or None)
         records = parsed.records
         log.info("read %d records from %d input(s); skipped %s", len(records), len(inputs),
                  dict(parsed.skipped) or "none")
         target_path = resolve_target(cfg.target)
         engines = engines or _Engines(cfg, target_path)
         out.mkdir(parents=True, exist_ok=True)
-        return _extract(cfg, out, target_path, inputs, parsed, engines, written, start)
+        return _extract(cfg, out, target_path, inputs, parsed, engines, written, clock, start)
     finally:
         if engines is not None:
             engines.close()
 
 
 def _extract(cfg: ExtractConfig, out: Path, target_path: Path, inputs: list[Path], parsed: Any, engines: _Engines,
-             written: SelfPromptsResult | None, start: float) -> ExtractSummary:
+             written: SelfPromptsResult | None, clock: StageClock, start: float) -> ExtractSummary:
     records = parsed.records
     with rank_lock(out, cfg.rank):
-        hidden, num_aux = feature_widths(target_path, cfg.aux_layer_ids, cfg.trust_remote_code)
-        bpt = _bytes_per_token(cfg, hidden, num_aux)
-        plan = make_plan(cfg, inputs, len(records), parsed.skipped, bpt, written)
-        starts = plan_shards(out, plan, lambda: record_sizes(cfg, lambda: load_tokenizer(cfg, target_path),
-                                                             records, bpt))
-        num_shards = len(starts) - 1
-        summary = ExtractSummary(rank=cfg.rank, world_size=cfg.world_size, shards_total=num_shards)
-        expected = expected_checksums(out)
-        mine = [s for s in range(num_shards) if s % cfg.world_size == cfg.rank]
-        remove_stale_temps(out, mine)
-        todo = [s for s in mine if not shard_is_done(out, s, expected)]
-        summary.shards_reused = len(mine) - len(todo)
+        with span("plan"):
+            hidden, num_aux = feature_widths(target_path, cfg.aux_layer_ids, cfg.trust_remote_code)
+            bpt = _bytes_per_token(cfg, hidden, num_aux)
+            plan = make_plan(cfg, inputs, len(records), parsed.skipped, bpt, written)
+            starts = plan_shards(out, plan, lambda: record_sizes(cfg, lambda: load_tokenizer(cfg, target_path),
+                                                                 records, bpt))
+            num_shards = len(starts) - 1
+            summary = ExtractSummary(rank=cfg.rank, world_size=cfg.world_size, shards_total=num_shards)
+            expected = expected_checksums(out)
+            mine = [s for s in range(num_shards) if s % cfg.world_size == cfg.rank]
+            remove_stale_temps(out, mine)
+            todo = [s for s in mine if not shard_is_done(out, s, expected)]
+            summary.shards_reused = len(mine) - len(todo)
         header_path = out / HEADER_NAME
         backend: TargetBackend | None = None
         regenerator: Regenerator | None = None
         if todo or not header_path.exists():
-            backend = engines.backend()
-            info = backend.info
-            if _bytes_per_token(cfg, info.hidden_size, len(info.aux_layer_ids)) != bpt:
-                raise ConfigError(f"{cfg.target}: the loaded target has hidden size {info.hidden_size} and "
-                                  f"{len(info.aux_layer_ids)} aux layers, its config.json said {hidden} and {num_aux}")
-            atomic_write_text(header_path, json.dumps(make_header(cfg, backend, parsed.skipped, written), indent=2,
-                                                       sort_keys=True) + "\n")
-            if cfg.regenerate and todo:
-                regenerator = engines.regenerator()
+            with span("load"):
+                backend = engines.backend()
+                info = backend.info
+                if _bytes_per_token(cfg, info.hidden_size, len(info.aux_layer_ids)) != bpt:
+                    raise ConfigError(f"{cfg.target}: the loaded target has hidden size {info.hidden_size} and "
+                                      f"{len(info.aux_layer_ids)} aux layers, its config.json said {hidden} and "
+                                      f"{num_aux}")
+                atomic_write_text(header_path, json.dumps(make_header(cfg, backend, parsed.skipped, written),
+                                                          indent=2, sort_keys=True) + "\n")
+                if cfg.regenerate and todo:
+                    regenerator = engines.regenerator()
         total = sum(starts[s + 1] - starts[s] for s in todo)
         try:
             with tqdm(total=total, unit="sample", desc=f"extract rank {cfg.rank}", disable=None) as progress:
@@ -507,15 +526,17 @@ def _extract(cfg: ExtractConfig, out: Path, target_path: Path, inputs: list[Path
                     summary.generated.merge(done.checked)
                     summary.bytes_written += (out / done.info.path).stat().st_size
         finally:
-            engines.close()  # before the manifest: the engines' memory is not needed for it
+            with span("close"):
+                engines.close()  # before the manifest: the engines' memory is not needed for it
 
         if cfg.finalize and all((out / shard_relpath(s)).exists() for s in range(num_shards)):
-            header = json.loads(header_path.read_text())
-            header["regeneration"] = read_checks(out, num_shards)
-            if cfg.regenerate:
-                concat_regenerated(out, num_shards)
-            summary.manifest = finalize_dataset(out, num_shards=num_shards, header=header,
-                                                vocab_size=header["vocab_size"])
+            with span("finalize"):
+                header = json.loads(header_path.read_text())
+                header["regeneration"] = read_checks(out, num_shards)
+                if cfg.regenerate:
+                    concat_regenerated(out, num_shards)
+                summary.manifest = finalize_dataset(out, num_shards=num_shards, header=header,
+                                                    vocab_size=header["vocab_size"])
+    summary.parts = clock.stop()
     summary.seconds = time.perf_counter() - start
     return summary
-

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from extract.backends.base import GenerationConfig, TargetBackend
+from extract.timing import span
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +147,9 @@ class VLLMRegenerator(Regenerator):
         if self.engine is None:
             from core.engines.vllm import VLLMEngine
 
-            self.engine = VLLMEngine(self.settings, python=self.python, timeout_s=None, what="regeneration (vLLM)")
+            with span("load"):  # counted as the stage's load, not as regeneration
+                self.engine = VLLMEngine(self.settings, python=self.python, timeout_s=None,
+                                         what="regeneration (vLLM)")
         return self.engine
 
     def generate(self, prompts: Sequence[Sequence[int]], budgets: Sequence[int], gen: GenerationConfig,

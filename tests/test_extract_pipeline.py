@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -162,6 +163,24 @@ def test_settings_change_is_refused(reference_run, tiny_target, chat_file, tmp_p
         run_extraction(_cfg(tiny_target, chat_file, out, teacher=["topk", "last_hidden"], topk=4))
 
 
+def test_summary_parts_add_up_to_the_stage_wall_time(tiny_target, chat_file, tmp_path):
+    start = time.perf_counter()
+    summary = run_extraction(_cfg(tiny_target, chat_file, tmp_path / "ds"))
+    wall = time.perf_counter() - start
+    parts = summary.parts
+    # Every part of a run without regeneration was seen, none is negative, and they add up to the stage's
+    # own wall time, which is the caller's less the return.
+    assert set(parts) == {"read", "plan", "load", "tokenize", "capture", "teacher", "write", "close", "finalize",
+                          "other"}
+    assert min(parts.values()) >= 0
+    assert sum(parts.values()) == pytest.approx(summary.seconds, abs=0.01)
+    assert 0 < summary.seconds <= wall < summary.seconds + 0.5
+    # The spans cover the stage: what no span holds (progress bar, locks) is a small share.
+    assert parts["other"] < 0.2 * summary.seconds
+    line = summary.line()
+    assert "capture " in line and "%)" in line
+
+
 def test_fp8_and_regeneration(tiny_target, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"id": f"p{i}", "turns": [_sentence(i, 5), _sentence(i + 4, 3)]})
@@ -183,6 +202,8 @@ def test_fp8_and_regeneration(tiny_target, tmp_path):
     assert regen["turns"] == 10 and regen["samples"] == len(reader) and regen["mismatched_samples"] == 0
     assert {sid.split("/")[0] for sid in reader.sample_ids} == {f"p{i}" for i in range(5)}
     assert not manifest["skipped"]
+    # The replies' time is its own part; the samples built from generated ids need no chat-template pass.
+    assert summary.parts["regenerate"] > 0 and sum(summary.parts.values()) == pytest.approx(summary.seconds, abs=0.01)
 
 
 def test_strict_mode_exits_2_and_writes_nothing(tiny_target, chat_file, tmp_path, caplog):

@@ -22,6 +22,7 @@ from core.target_weights import text_config, weight_key_candidates
 from extract.backends.base import Captured, GenerationConfig, TargetBackend, TargetInfo, TeacherSpec
 from extract.model_layout import find_decoder_layers, find_lm_head, find_text_model
 from extract.teacher import chunked_topk_logprobs
+from extract.timing import span
 
 log = logging.getLogger(__name__)
 
@@ -246,11 +247,12 @@ class HFTarget(TargetBackend):
         topk_ids: list[torch.Tensor] | None = None
         topk_lp: list[torch.Tensor] | None = None
         if "topk" in teacher.kinds:
-            ids, lps = chunked_topk_logprobs(
-                torch.cat(rows), self.lm_head.weight, teacher.topk, teacher.chunk_tokens,
-                lm_head_bias=getattr(self.lm_head, "bias", None),
-            )
-            topk_ids, topk_lp = list(ids.cpu().split(lengths)), list(lps.cpu().split(lengths))
+            with span("teacher"):
+                ids, lps = chunked_topk_logprobs(
+                    torch.cat(rows), self.lm_head.weight, teacher.topk, teacher.chunk_tokens,
+                    lm_head_bias=getattr(self.lm_head, "bias", None),
+                )
+                topk_ids, topk_lp = list(ids.cpu().split(lengths)), list(lps.cpu().split(lengths))
         out = []
         for b, n in enumerate(lengths):
             out.append(
