@@ -28,6 +28,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from core.atomic import atomic_write_text  # noqa: E402
+from core.config import parse_hyphenated
 from eval import acceptance, online  # noqa: E402
 from eval.acceptance_report import format_table  # noqa: E402
 
@@ -154,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_hyphenated(build_parser(), argv)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     tol = Tolerances(args.tau_tol, args.rate_tol, args.min_samples)

@@ -41,6 +41,7 @@ if __package__ in (None, ""):  # run as a script path: make the repo root import
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from core.atomic import atomic_write_text  # noqa: E402
+from core.config import parse_hyphenated
 from core.engines.request import TokenRequest  # noqa: E402
 from core.engines.vllm import EngineError, EngineSettings, VLLMEngine, engine_python  # noqa: E402
 from eval import engine_walk as walk  # noqa: E402
@@ -328,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     from core.dataset.reader import DatasetReader
 
-    args = build_parser().parse_args(argv)
+    args = parse_hyphenated(build_parser(), argv)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.engine != "vllm":

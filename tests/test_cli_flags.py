@@ -13,6 +13,8 @@ PARSERS = {
     "python -m extract.verify": "extract.verify",
     "train/main.py": "train.config",
     "python -m eval.acceptance": "eval.acceptance",
+    "python -m eval.online": "eval.online",
+    "python -m eval.engine_truth": "eval.engine_truth",
     "python -m eval.export": "eval.export",
     "python -m eval.serving": "eval.serving",
     "python -m eval.verify_engine": "eval.verify_engine",
@@ -49,3 +51,7 @@ def test_underscore_spelling_is_accepted_everywhere(tmp_path):
     assert (acc.num_draft_tokens, acc.batch_tokens) == (6, 9)
     ve = parse_hyphenated(verify_engine_parser(), ["folder", "--engine", "vllm", "--context_length", "64"])
     assert ve.context_length == 64
+    from eval.online import build_parser as online_parser
+
+    on = parse_hyphenated(online_parser(), ["ckpt", "--data", "d", "--max_new_tokens", "7"])
+    assert on.max_new_tokens == 7
