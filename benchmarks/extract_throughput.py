@@ -315,8 +315,17 @@ def format_tables(report: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for name in ("extract", "core", "httpx"):  # the stage's own progress lines; its summary line is kept
+    quiet = {name: logging.getLogger(name).level for name in ("extract", "core", "httpx")}
+    for name in quiet:  # the stage's own progress lines; its summary line is kept
         logging.getLogger(name).setLevel(logging.WARNING)
+    try:
+        return _run(args, list(sys.argv[1:] if argv is None else argv))
+    finally:  # an in-process caller (a test) gets its loggers back as they were
+        for name, level in quiet.items():
+            logging.getLogger(name).setLevel(level)
+
+
+def _run(args: argparse.Namespace, argv: list[str]) -> int:
     if args.threads:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # engine subprocesses inherit it
     import torch
@@ -339,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         sizes = storage(args, root, info.hidden_size, len(info.aux_layer_ids)) if args.sizes_samples else {}
     report = {
         "command": "python benchmarks/extract_throughput.py " + " ".join(shlex.quote(a) for a in
-                                                                         (sys.argv[1:] if argv is None else argv)),
+                                                                         argv),
         "target": args.target, "data": args.data, "dtype": args.dtype, "threads": torch.get_num_threads(),
         "goal_ratio_without_regeneration": GOAL,
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_1min_at_start": load_start,

@@ -4,6 +4,7 @@ same batches, regeneration with hf, the storage table; the JSON must agree with 
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 from helpers_models import make_tiny_llama
@@ -18,10 +19,13 @@ def test_json_is_consistent(tmp_path, capsys):
         {"from": "human", "value": "tell me about the cat " * (1 + i % 4)},
         {"from": "gpt", "value": "the cat sat on a mat and ran far " * (1 + i % 3)}]}) + "\n" for i in range(8)))
     out, md = tmp_path / "r.json", tmp_path / "r.md"
+    levels = {name: logging.getLogger(name).level for name in ("extract", "core")}
     assert extract_throughput.main([
         "--target", str(target), "--data", str(data), "--samples", "6", "--repeats", "2", "--batch-tokens", "256",
         "--topk", "8", "--regenerate", "hf", "--regen-samples", "3", "--max-new-tokens", "4", "--sizes-samples", "3",
         "--threads", "1", "--json", str(out), "--markdown", str(md)]) == 0
+    # The benchmark quiets the stage's loggers while it runs and gives them back (later tests log through them).
+    assert {name: logging.getLogger(name).level for name in levels} == levels
     report = json.loads(out.read_text())
     plain, regen = report["runs"]
     assert plain["name"] == "no regeneration" and regen["name"] == "regenerate hf"
