@@ -54,6 +54,7 @@ from serving_gain_report import (  # noqa: E402
 from core.atomic import atomic_write_text  # noqa: E402
 from core.config import parse_hyphenated  # noqa: E402
 from core.engines.vllm import EngineError, EngineSettings, VLLMServer, engine_python  # noqa: E402
+from eval.serving_report import exit_for_failed_levels  # noqa: E402
 
 log = logging.getLogger("bench.serving_gain")
 SERVERS = ("base", "A", "B")
@@ -257,11 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(markdown_table(detail_rows(report)))
     print(f"\nreport: {Path(args.out) / 'report.md'}, report.json, report.png")
-    failed = [(r["server"], lv["concurrency"]) for r in report["runs"] for lv in r["result"]["levels"] if lv["ok"] == 0]
-    if failed:
-        print(f"error: no successful request at {failed}", file=sys.stderr)
-        return 1
-    return 0
+    return exit_for_failed_levels((r["server"], r["result"]["levels"]) for r in report["runs"])
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ from eval.serving_prompts import ServingError, encode_chat_prompts, load_prompts
 from eval.serving_report import (
     apply_counter_delta,
     build_report,
+    exit_for_failed_levels,
     render_report_text,
     summarize,
     write_json,
@@ -356,11 +357,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     print(render_report_text(report))
     write_outputs(report, cfg)
-    failed = [(role, lv["concurrency"]) for role, s in report["servers"].items() for lv in s["levels"] if lv["ok"] == 0]
-    if failed:
-        print(f"error: no successful request at {failed}", file=sys.stderr)
-        return 1
-    return 0
+    return exit_for_failed_levels((role, s["levels"]) for role, s in report["servers"].items())
 
 
 if __name__ == "__main__":

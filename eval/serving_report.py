@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+import sys
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -405,3 +406,12 @@ def write_plot(report: dict[str, Any], path: Path) -> None:
     fig.suptitle(f"max_tokens {s.get('max_tokens')}, prompts {Path(str(s.get('prompts'))).name}", fontsize=9)
     fig.tight_layout()
     atomic_write_png(fig, path)
+
+
+def exit_for_failed_levels(named_levels: Iterable[tuple[str, list[dict[str, Any]]]]) -> int:
+    """The command's exit code: 1, saying where, when any concurrency setting had no successful request."""
+    failed = [(name, lv["concurrency"]) for name, levels in named_levels for lv in levels if lv["ok"] == 0]
+    if failed:
+        print(f"error: no successful request at {failed}", file=sys.stderr)
+        return 1
+    return 0
