@@ -57,6 +57,15 @@ class ExtractConfig:
     batch_tokens: int = _opt(8192, "Upper bound on padded tokens in one forward batch.")
     max_samples: int = _opt(0, "Use only the first N valid input records (0: all).")
     strict: bool = _opt(False, "Stop at the first bad input record (exit code 2, nothing written) instead of skipping it.")
+    decontaminate: list[str] = _opt(
+        [], "Evaluation inputs (built-in names such as mtbench, or files) whose user turns no training record may "
+            "be close to: a drafter trained on its evaluation prompts reports a gain it would not have on fresh "
+            "traffic. Every input record with a user turn that overlaps one (--eval-overlap) is dropped and "
+            "counted as skipped eval_overlap; the manifest's decontamination says how many. Empty: no check "
+            "(--data self has its own, --self-decontaminate).")
+    eval_overlap: float = _opt(0.5, "--decontaminate: drop a record when a user turn's word 3-gram Jaccard "
+                                    "similarity to an evaluation prompt, or share of the smaller 3-gram set "
+                                    "(3+ shared), reaches this (the same test as --self-eval-overlap).")
     regenerate: bool = _opt(False, "Let the target write the assistant turns itself, turn by turn, before capture; "
                                    "its replies are stored as the token ids it generated (regenerated.jsonl keeps "
                                    "them next to the text).")
@@ -145,6 +154,9 @@ class ExtractConfig:
             raise ConfigError(f"regen_kv_cache_gb: must be > 0, got {self.regen_kv_cache_gb}")
         self.self_categories = _split_commas(self.self_categories)
         self.self_decontaminate = _split_commas(self.self_decontaminate)
+        self.decontaminate = _split_commas(self.decontaminate)
+        if SELF_DATA in self.decontaminate:
+            raise ConfigError(f"decontaminate: {SELF_DATA!r} is not an evaluation input (name mtbench or a file)")
         if SELF_DATA in self.data:
             if not self.regenerate:
                 raise ConfigError(f"data: {SELF_DATA} writes user prompts only; add --regenerate so the target "
@@ -161,7 +173,7 @@ class ExtractConfig:
                               f"got {self.self_temperature}")
         if not 0.0 < self.self_top_p <= 1.0:
             raise ConfigError(f"self_top_p: must be in (0, 1], got {self.self_top_p}")
-        for name in ("self_near_duplicate", "self_eval_overlap"):
+        for name in ("self_near_duplicate", "self_eval_overlap", "eval_overlap"):
             if not 0.0 < getattr(self, name) <= 1.0:
                 raise ConfigError(f"{name}: must be in (0, 1], got {getattr(self, name)}")
         if self.regenerate and self.regen_backend == "server" and not self.regen_url:

@@ -40,6 +40,8 @@ from core.embedded import SELF_DATA, resolve_data, resolve_target
 from extract.backends.base import GenerationConfig, TargetBackend, TeacherSpec
 from extract.chat import TokenizedSample, chat_template_hash, tokenize_conversation, tokenizer_hash
 from extract.config import ExtractConfig
+from extract.decontaminate import REASON as EVAL_OVERLAP
+from extract.decontaminate import Decontamination, refuse_contradiction, self_check_covers
 from extract.generated import (
     ExactnessCounts,
     GeneratedSample,
@@ -91,19 +93,21 @@ class ExtractSummary:
     # Where the seconds went (extract.timing): exclusive parts that add up to `seconds`.
     parts: dict[str, float] = field(default_factory=dict)
     manifest: dict[str, Any] | None = None
+    decontamination: str | None = None  # what --decontaminate dropped (Decontamination.describe)
 
     def line(self) -> str:
         skipped = ", ".join(f"{k}={v}" for k, v in sorted(self.skipped.items())) or "none"
         bpt = self.bytes_written / self.tokens if self.tokens else 0.0
         rate = self.tokens / self.seconds if self.seconds else 0.0
         done = "manifest written" if self.manifest else "waiting for other ranks"
+        decon = f"{self.decontamination}; " if self.decontamination else ""
         g = self.generated
         exact = (f"{g.samples} samples from generated ids ({g.mismatched_samples} not stored as generated, "
                  f"{g.cut_samples} holding a reply cut at the token limit); ") if g.samples else ""
         return (
             f"rank {self.rank}/{self.world_size}: {self.shards_written} shards written, {self.shards_reused} reused "
             f"of {self.shards_total}; {self.samples} samples, {self.tokens} tokens ({self.loss_tokens} loss tokens), "
-            f"{self.truncated} truncated; {exact}skipped: {skipped}; {bpt:,.0f} bytes/token; {self.seconds:.1f} s "
+            f"{self.truncated} truncated; {exact}{decon}skipped: {skipped}; {bpt:,.0f} bytes/token; {self.seconds:.1f} s "
             f"({rate:,.0f} tok/s; {describe(self.parts)}); {done}"
         )
 
@@ -117,7 +121,7 @@ def _file_fingerprint(path: Path) -> dict[str, Any]:
 
 def make_plan(
     cfg: ExtractConfig, inputs: Sequence[Path], num_records: int, skipped: Counter, bytes_per_token: int,
-    self_prompts: SelfPromptsResult | None = None,
+    self_prompts: SelfPromptsResult | None = None, decontamination: Decontamination | None = None,
 ) -> dict[str, Any]:
     """Everything that decides the bytes of the shards; a rerun must agree with it.
 
@@ -151,6 +155,9 @@ def make_plan(
         # The prompts the target wrote (their file is among the inputs); absent when unused.
         **({"self_prompts": {"recipe_sha256": _sha256_json(self_prompts.report["recipe"]),
                              "counts": self_prompts.report["counts"]}} if self_prompts is not None else {}),
+        # Which evaluation prompts records were checked against, and how; absent when off, so folders
+        # started before the option existed still resume.
+        **({"decontamination": decontamination.plan()} if decontamination is not None else {}),
     }
 
 
@@ -217,7 +224,8 @@ def _bytes_per_token(cfg: ExtractConfig, hidden_size: int, num_aux: int) -> int:
 
 
 def make_header(cfg: ExtractConfig, backend: TargetBackend, parse_skipped: Counter,
-                self_prompts: SelfPromptsResult | None = None) -> dict[str, Any]:
+                self_prompts: SelfPromptsResult | None = None,
+                decontamination: Decontamination | None = None) -> dict[str, Any]:
     """The manifest fields that describe the target and the run (the store adds the shards)."""
     info = backend.info
     return dataset_header(
@@ -229,6 +237,7 @@ def make_header(cfg: ExtractConfig, backend: TargetBackend, parse_skipped: Count
         generation={**_generation(cfg).to_manifest(), "backend": cfg.regen_backend} if cfg.regenerate else None,
         regenerated=REGEN_NAME if cfg.regenerate else None, skipped=parse_skipped,
         self_prompts=self_prompts.report if self_prompts is not None else None,
+        decontamination=decontamination.manifest() if decontamination is not None else None,
     )
 
 
@@ -448,6 +457,8 @@ def run_extraction(cfg: ExtractConfig) -> ExtractSummary:
 
 def _run(cfg: ExtractConfig, clock: StageClock, start: float) -> ExtractSummary:
     given = {d: resolve_data(d) for d in cfg.data if d != SELF_DATA}
+    refuse_contradiction(given, cfg.decontaminate)  # before any work: it would drop every record of an input
+    decon = Decontamination.build(cfg.decontaminate, cfg.eval_overlap) if cfg.decontaminate else None
     out = Path(cfg.out)
     engines: _Engines | None = None
     written: SelfPromptsResult | None = None
@@ -461,30 +472,47 @@ def _run(cfg: ExtractConfig, clock: StageClock, start: float) -> ExtractSummary:
             engines.close()
             raise
     inputs = [written.path if d == SELF_DATA and written is not None else given[d] for d in cfg.data]
+    if decon is not None and written is not None:
+        decon.self_dropped = int(written.report["counts"]["dropped"].get(EVAL_OVERLAP, 0))
+        if self_check_covers(cfg):
+            decon.exempt = (written.path,)
+        else:
+            log.info("the self-written prompts were checked against %s at overlap %s while sampling; "
+                     "checking them against --decontaminate %s too", cfg.self_decontaminate,
+                     cfg.self_eval_overlap, cfg.decontaminate)
     try:
         with span("read"):
             parsed = read_records(inputs, require_assistant=not cfg.regenerate, strict=cfg.strict,
-                                  max_records=cfg.max_samples or None)
+                                  max_records=cfg.max_samples or None, keep=decon.keep if decon else None)
         records = parsed.records
+        if decon is not None:
+            if decon.dropped:
+                parsed.skipped[EVAL_OVERLAP] += decon.dropped
+            log.info("%s", decon.describe())
+            if decon.checked and decon.dropped == decon.checked:
+                log.warning("decontamination dropped every record: are the inputs the evaluation set?")
         log.info("read %d records from %d input(s); skipped %s", len(records), len(inputs),
                  dict(parsed.skipped) or "none")
         target_path = resolve_target(cfg.target)
         engines = engines or _Engines(cfg, target_path)
         out.mkdir(parents=True, exist_ok=True)
-        return _extract(cfg, out, target_path, inputs, parsed, engines, written, clock, start)
+        summary = _extract(cfg, out, target_path, inputs, parsed, engines, written, clock, start, decon)
+        summary.decontamination = decon.describe() if decon is not None else None
+        return summary
     finally:
         if engines is not None:
             engines.close()
 
 
 def _extract(cfg: ExtractConfig, out: Path, target_path: Path, inputs: list[Path], parsed: Any, engines: _Engines,
-             written: SelfPromptsResult | None, clock: StageClock, start: float) -> ExtractSummary:
+             written: SelfPromptsResult | None, clock: StageClock, start: float,
+             decon: Decontamination | None = None) -> ExtractSummary:
     records = parsed.records
     with rank_lock(out, cfg.rank):
         with span("plan"):
             hidden, num_aux = feature_widths(target_path, cfg.aux_layer_ids, cfg.trust_remote_code)
             bpt = _bytes_per_token(cfg, hidden, num_aux)
-            plan = make_plan(cfg, inputs, len(records), parsed.skipped, bpt, written)
+            plan = make_plan(cfg, inputs, len(records), parsed.skipped, bpt, written, decon)
             starts = plan_shards(out, plan, lambda: record_sizes(cfg, lambda: load_tokenizer(cfg, target_path),
                                                                  records, bpt))
             num_shards = len(starts) - 1
@@ -505,7 +533,7 @@ def _extract(cfg: ExtractConfig, out: Path, target_path: Path, inputs: list[Path
                     raise ConfigError(f"{cfg.target}: the loaded target has hidden size {info.hidden_size} and "
                                       f"{len(info.aux_layer_ids)} aux layers, its config.json said {hidden} and "
                                       f"{num_aux}")
-                atomic_write_text(header_path, json.dumps(make_header(cfg, backend, parsed.skipped, written),
+                atomic_write_text(header_path, json.dumps(make_header(cfg, backend, parsed.skipped, written, decon),
                                                           indent=2, sort_keys=True) + "\n")
                 if cfg.regenerate and todo:
                     regenerator = engines.regenerator()

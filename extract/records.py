@@ -11,7 +11,7 @@ from __future__ import annotations
 import collections
 import json
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -352,11 +352,14 @@ def read_records(
     require_assistant: bool = True,
     strict: bool = False,
     max_records: int | None = None,
+    keep: Callable[[Path, Record], bool] | None = None,
 ) -> ReadResult:
     """Read every path in order into records; bad records are skipped (or raise when strict).
 
     A record's own "source" field wins over the file stem, so files written by
     `write_records_jsonl` (e.g. regenerated data) keep their original dataset names.
+    ``keep(path, record)``: a valid record it refuses is left out and does not count towards
+    ``max_records`` (the caller counts why; its id stays taken, so the others' ids do not move).
     """
     if isinstance(paths, (str, Path)):
         paths = [paths]
@@ -388,7 +391,9 @@ def read_records(
                 n += 1
                 unique = f"{rid}#{n}"
             seen_ids.add(unique)
-            records.append(Record(unique, tuple(messages), source, _optional_str(obj.get("category")), row.origin))
+            record = Record(unique, tuple(messages), source, _optional_str(obj.get("category")), row.origin)
+            if keep is None or keep(path, record):
+                records.append(record)
         if max_records is not None and len(records) >= max_records:
             break
     skips.summary()

@@ -36,8 +36,9 @@ from core.config import ConfigError
 from core.embedded import SELF_DATA
 from extract.backends.base import GenerationConfig
 from extract.chat import chat_template_hash, stop_token_ids, tokenizer_hash, user_turn_prefix
+from extract.decontaminate import eval_prompts
 from extract.prompt_filters import DROP_REASONS, EvalSet, FilterSettings, PromptFilter
-from extract.records import Message, Record, read_records, write_records_jsonl
+from extract.records import Message, Record, write_records_jsonl
 from extract.regen_engines import Regenerator
 
 log = logging.getLogger(__name__)
@@ -124,16 +125,6 @@ class SelfPromptOptions:
 
 def _sha(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
-
-
-def eval_prompts(specs: Sequence[str]) -> list[str]:
-    """Every user turn of the evaluation inputs (built-in names such as mtbench, or files)."""
-    from core.embedded import resolve_data
-
-    if not specs:
-        return []
-    records = read_records([resolve_data(s) for s in specs], require_assistant=False).records
-    return [m.content for r in records for m in r.messages if m.role == "user"]
 
 
 def prefixes(tokenizer: Any, categories: Sequence[str]) -> dict[str, list[int]]:

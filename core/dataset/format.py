@@ -116,6 +116,7 @@ def dataset_header(
     regeneration: Mapping[str, Any] | None = None,
     skipped: Mapping[str, int] | None = None,
     self_prompts: Mapping[str, Any] | None = None,
+    decontamination: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The dataset-level manifest fields, for :func:`finalize_dataset` (which adds shards and totals).
 
@@ -125,7 +126,9 @@ def dataset_header(
     path, config_hash and architecture). ``regeneration`` is the check of the samples captured from
     generated ids (``extract.generated.ExactnessCounts``), known once every shard is written.
     ``self_prompts``: the recipe and counts of the prompts the target wrote itself (``--data self``,
-    ``extract.self_prompts``); the key is present only when they were used.
+    ``extract.self_prompts``); the key is present only when they were used. ``decontamination``: the
+    check of every input record against evaluation prompts (``--decontaminate``,
+    ``extract.decontaminate``); the key is present only when it ran.
     """
     kinds = list(teacher)
     bad = [k for k in kinds if k not in TEACHER_KINDS]
@@ -135,6 +138,8 @@ def dataset_header(
         raise ValueError(f"dataset_header: topk={topk} does not fit teacher {kinds}")
     check_hidden_dtype(hidden_dtype)
     extra = {} if self_prompts is None else {"self_prompts": dict(self_prompts)}
+    if decontamination is not None:
+        extra["decontamination"] = dict(decontamination)
     return {
         **extra,
         "target": dict(target),
