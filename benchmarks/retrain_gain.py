@@ -1,29 +1,34 @@
-"""Retraining gain: does a drafter refitted to the target's own replies accept more? (issue 6)
+"""Retraining gain: does a drafter refitted to the target's own replies accept more? (issues 6 and 14)
 
 A benchmark, not a test. One command runs the real CLIs as subprocesses on the embedded target:
 
-  * data: chitchat first exchanges (human replies as they are) and the same prompts answered by the
-    target (``python -m extract --regenerate``, greedy); held out: MT-bench first turns answered
-    greedily by the target, so the evaluation is exact;
-  * drafter A (mismatched): trained on the human replies for ``steps_a`` steps;
-  * drafter B (retrained): ``--init-from`` A, trained on the target's replies with A's token count;
-  * drafter C (scratch): trained on the target's replies with the same token count;
-  * storage variants: bf16 vs fp8 hidden states x top-k vs last-hidden teacher (bf16/topk is C),
-    each trained with the same token count, with the bytes per stored token of each combination;
-  * ``python -m eval.acceptance --split all`` on the MT-bench set: tau for chains of 1..K, acceptance
-    per position, one tree setting; the storage variants also on an fp8 copy of the eval set;
+  * data: chitchat first exchanges (human replies as they are) and, for B and C, the same prompts plus
+    ``self_prompts`` prompts the target writes itself (``--data self``, one hint per MT-bench category),
+    all answered by the target (``python -m extract --regenerate``, greedy, ``regen_backend`` vllm or hf);
+    every training set is checked against MT-bench by extract (``--decontaminate``). Held out: MT-bench
+    first turns answered greedily by the target, so the evaluation is exact;
+  * drafter A (mismatched; the stand-in for "fitted to another target's outputs": the same prompts'
+    human replies, written by other "models" than the target): ``steps_a`` steps;
+  * drafter B (retrained): ``--init-from`` A (draft vocab rebuilt), the target's replies, A's token count
+    again (its total exposure is A's plus its own), once per seed (``seeds``);
+  * drafter C (scratch): the target's replies with the same token count;
+  * storage variants: hidden dtype x teacher (fp8/topk against bf16/last_hidden by default), each per
+    seed, on ``storage_samples`` target-written conversations spread over the set (0: all of it);
+  * ``python -m eval.acceptance --split all`` on the MT-bench set: tau for chains of 1..K in the engine's
+    convention, acceptance per position, one tree setting; the storage variants also on an fp8 copy;
+  * B (seed 0) in vLLM CPU (``python -m eval.online``) on the same prompts: the engine's own tau;
   * A/B/C also on unseen chitchat prompts answered by the target (the training domain): no goal,
     it tells the gain from fitting the target apart from the chitchat -> MT-bench topic shift.
 
-Token budgets are planned from the datasets (the trainer's own bucket sampler, so the step count of
-B/C is the one whose tokens come closest to A's) and checked against the tokens each run logged in
-its metrics.jsonl; both are reported. Reruns with the same --out reuse finished stages (a stage is
-done when its marker in OUT/stages/ names the same command and its output is complete; the CLIs
-resume their own partial outputs). The report (report.json, report.md, report.png) states the wall
-time of every stage.
+Token budgets are planned from the datasets (the trainer's own bucket sampler, in each run's seed, so
+the step count of every run is the one whose tokens come closest to A's) and checked against the
+tokens each run logged in its metrics.jsonl; both are reported. Reruns with the same --out reuse
+finished stages (a stage is done when its marker in OUT/stages/ names the same command and its output
+is complete; the CLIs resume their own partial outputs). The report (report.json, report.md,
+report.png) states the wall time of every stage.
 
-    python benchmarks/retrain_gain.py --out runs/retrain-gain                   # default sizes
-    python benchmarks/retrain_gain.py --out runs/retrain-gain-small --scale 0.25
+    python benchmarks/retrain_gain.py --out runs/retrain-gain                   # 10,000 conversations
+    python benchmarks/retrain_gain.py --out runs/retrain-gain-q --scale 0.25
 """
 
 from __future__ import annotations
@@ -95,6 +100,14 @@ class BenchConfig:
     tree_positions: int = 64
     procs: int = 1
     train_jobs: int = 1  # drafters trained at once (1-process training only); threads are split between them
+    self_prompts: int = 0  # prompts the target writes itself (--data self), added to B's and C's training set
+    self_options: dict[str, Any] = field(default_factory=dict)  # extract --self-* options, e.g. {categories: mtbench}
+    regen_backend: str = "hf"  # who writes the target's replies: hf, vllm (extract --regen-backend)
+    storage_samples: int = 0  # storage variants train on the first N target-written conversations (0: all)
+    regen_kv_cache_gb: float | None = None  # vLLM's KV cache (bounds the prompts it runs at once)
+    decontaminate: list[str] = field(default_factory=list)  # eval sets no training record may be close to
+    seeds: int = 1  # training seeds of B and of the storage variants (mean and spread reported)
+    online: dict[str, int] | None = None  # B's tau in vLLM CPU on the MT-bench set: {steps: 3, max_samples: 0}
 
     @classmethod
     def load(cls, path: Path) -> BenchConfig:
@@ -125,14 +138,22 @@ class BenchConfig:
         if self.train_jobs < 1 or (self.procs > 1 and self.train_jobs > 1):
             raise BenchError(f"{where}: train_jobs must be >= 1, and 1 when procs is 2 (got train_jobs "
                              f"{self.train_jobs}, procs {self.procs})")
+        if self.regen_backend not in ("hf", "vllm"):
+            raise BenchError(f"{where}: regen_backend must be hf or vllm, got {self.regen_backend!r}")
+        if self.seeds < 1 or self.self_prompts < 0:
+            raise BenchError(f"{where}: seeds must be >= 1 and self_prompts >= 0 (got {self.seeds}, "
+                             f"{self.self_prompts})")
+        unknown = sorted(set(self.online or {}) - {"steps", "max_samples"})
+        if unknown:
+            raise BenchError(f"{where}: online: unknown key(s) {unknown}; known: ['max_samples', 'steps']")
 
     def scaled(self, scale: float) -> BenchConfig:
         if scale <= 0:
             raise BenchError(f"--scale must be > 0, got {scale}")
         return dataclasses.replace(
             self, train_prompts=max(2, round(self.train_prompts * scale)),
-            eval_prompts=max(1, round(self.eval_prompts * scale)), steps_a=max(1, round(self.steps_a * scale)),
-            indomain_eval_prompts=round(self.indomain_eval_prompts * scale))
+            self_prompts=round(self.self_prompts * scale), storage_samples=round(self.storage_samples * scale),
+            steps_a=max(1, round(self.steps_a * scale)))
 
 
 # ----------------------------------------------------------------------------- stages
@@ -157,6 +178,19 @@ class Stages:
         (work / "stages").mkdir(parents=True, exist_ok=True)
         (work / "logs").mkdir(parents=True, exist_ok=True)
 
+    def _interrupted_seconds(self, name: str, cmd: list[str], logfile: Path) -> float:
+        """Time an interrupted earlier run of the same command already spent (the CLIs resume its work):
+        from its start to its log's last write, plus what runs before it had counted."""
+        started = self.work / "stages" / f"{name}.started"
+        if not started.is_file() or not logfile.is_file():
+            return 0.0
+        rec = json.loads(started.read_text())
+        if rec.get("cmd") != cmd:
+            return 0.0
+        spent = max(0.0, logfile.stat().st_mtime - float(rec["started"])) + float(rec.get("earlier", 0.0))
+        log.info("%-22s resuming an interrupted run (%.0f s spent before, counted in its time)", name, spent)
+        return spent
+
     def run(self, name: str, cmd: list[str], done: Any, threads: int | None = None) -> float:
         """Run ``cmd`` (cwd = repo root) unless its marker matches and ``done()`` says the output is complete."""
         marker = self.work / "stages" / f"{name}.json"
@@ -168,19 +202,24 @@ class Stages:
                 log.info("%-22s reused (took %.0f s when it ran)", name, rec["seconds"])
                 return self.seconds[name]
         logfile = self.work / "logs" / f"{name}.log"
+        earlier = self._interrupted_seconds(name, cmd, logfile)
         log.info("%-22s running: %s", name, " ".join(cmd))
+        started = self.work / "stages" / f"{name}.started"
+        atomic_write_text(started, json.dumps({"cmd": cmd, "started": time.time(), "earlier": earlier}) + "\n")
         t0 = time.perf_counter()
         with open(logfile, "w") as f:
             res = subprocess.run(cmd, cwd=ROOT, env=bench_env(threads or self.threads), stdout=f,
                                  stderr=subprocess.STDOUT)
-        seconds = time.perf_counter() - t0
+        seconds = time.perf_counter() - t0 + earlier
         if res.returncode != 0:
             tail = "\n".join(logfile.read_text(errors="replace").splitlines()[-30:])
             raise BenchError(f"stage {name} failed (exit {res.returncode}) after {seconds:.0f} s; log {logfile}:\n"
                              f"{tail}")
         if not done():
             raise BenchError(f"stage {name} exited 0 but its output is incomplete; log {logfile}")
-        atomic_write_text(marker, json.dumps({"cmd": cmd, "seconds": seconds, "finished": time.time()}) + "\n")
+        atomic_write_text(marker, json.dumps({"cmd": cmd, "seconds": seconds, "earlier_attempts_seconds": earlier,
+                                              "finished": time.time()}) + "\n")
+        started.unlink(missing_ok=True)
         self.seconds[name] = seconds
         log.info("%-22s done in %.0f s", name, seconds)
         return seconds
@@ -195,11 +234,10 @@ def first_exchanges(n: int, out: Path, max_prompt_chars: int, skip: int = 0) -> 
     Opening turns longer than ``max_prompt_chars`` are passed over: a prompt that does not fit in
     max_length cannot be answered by the target, and A/B/C must see the same prompts. ``skip``
     passes over the first usable conversations (the training prompts, for the held-out set).
+    Closeness to MT-bench is checked by extract itself (``--decontaminate``, cfg.decontaminate).
     """
     from core.embedded import resolve_data
 
-    if out.is_file() and sum(1 for _ in out.open()) == n:
-        return out
     src = resolve_data("chitchat")
     rows: list[dict[str, Any]] = []
     with src.open(encoding="utf-8") as f:
@@ -216,19 +254,47 @@ def first_exchanges(n: int, out: Path, max_prompt_chars: int, skip: int = 0) -> 
                 rows.append({"id": rec["id"], "source": "chitchat", "conversations": turns})
     if len(rows) < skip + n:
         raise BenchError(f"{src}: only {len(rows)} usable conversations, {skip + n} asked for")
-    atomic_write_text(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows[skip:]))
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows[skip:])
+    if not out.is_file() or out.read_text(encoding="utf-8") != text:
+        atomic_write_text(out, text)
+    return out
+
+
+def every_kth(src: Path, n: int, out: Path) -> Path:
+    """``n`` records spread evenly over a JSONL file (both sources, chitchat and self, in proportion)."""
+    lines = src.read_text(encoding="utf-8").splitlines()
+    if n > len(lines):
+        raise BenchError(f"storage_samples {n} > the {len(lines)} records of {src}")
+    picked = [lines[i * len(lines) // n] for i in range(n)]
+    text = "".join(line + "\n" for line in picked)
+    if not out.is_file() or out.read_text(encoding="utf-8") != text:
+        atomic_write_text(out, text)
     return out
 
 
 def extract_cmd(cfg: BenchConfig, data: str, out: Path, *, teachers: list[str], hidden_dtype: str,
-                regenerate: bool, max_samples: int, max_new_tokens: int) -> list[str]:
+                regenerate: bool, max_samples: int, max_new_tokens: int, self_prompts: int = 0,
+                training: bool = False) -> list[str]:
+    """``python -m extract`` for one dataset; ``training`` sets are checked against cfg.decontaminate, and
+    ``self_prompts`` > 0 adds that many prompts the target writes itself (``--data self``)."""
+    if self_prompts > 0:
+        data = f"{data},self"
     cmd = [sys.executable, "-m", "extract", "--target", cfg.target, "--data", data, "--out", str(out),
            "--teacher", ",".join(teachers), "--topk", str(cfg.topk), "--hidden-dtype", hidden_dtype,
            "--max-length", str(cfg.max_length), "--samples-per-shard", str(cfg.samples_per_shard),
            "--max-samples", str(max_samples), "--dtype", "float32"]
     if regenerate:
         cmd += ["--regenerate", "--max-user-turns", "1", "--temperature", "0", "--max-new-tokens",
-                str(max_new_tokens), "--gen-batch-size", str(cfg.gen_batch_size)]
+                str(max_new_tokens), "--gen-batch-size", str(cfg.gen_batch_size), "--regen-backend",
+                cfg.regen_backend]
+        if cfg.regen_backend == "vllm" and cfg.regen_kv_cache_gb:
+            cmd += ["--regen-kv-cache-gb", str(cfg.regen_kv_cache_gb)]
+    if self_prompts > 0:
+        cmd += ["--self-prompts", str(self_prompts)]
+        for k, v in cfg.self_options.items():
+            cmd += [f"--self-{k.replace('_', '-')}", ",".join(map(str, v)) if isinstance(v, list) else str(v)]
+    if training and cfg.decontaminate:
+        cmd += ["--decontaminate", ",".join(cfg.decontaminate)]
     return cmd
 
 
@@ -371,6 +437,11 @@ def _newer_than_checkpoints(path: Path, runs: list[Path]) -> bool:
 # ----------------------------------------------------------------------------- evidence
 
 
+def _self_prompt_counts(m: dict[str, Any]) -> dict[str, Any] | None:
+    """What --data self contributed to a dataset (its manifest's recipe counts), or None."""
+    return m.get("self_prompts") or None
+
+
 def vocab_coverage(ckpt: Path, eval_data: Path) -> float:
     """Fraction of the eval set's loss tokens whose token is in the drafter's draft vocab (t2d)."""
     from safetensors import safe_open
@@ -397,6 +468,12 @@ class Drafter:
     init_from: str = ""
     lr: float | None = None
     description: str = ""
+    seed: int = 0  # train/main.py --seed: the data order and held-out split (and a scratch run's init)
+
+    @property
+    def family(self) -> str:
+        """The name without its seed suffix: B.s1 -> B."""
+        return self.name.split(".s")[0]
 
 
 def train_cmd(cfg: BenchConfig, d: Drafter, out: Path) -> list[str]:
@@ -413,7 +490,17 @@ def train_cmd(cfg: BenchConfig, d: Drafter, out: Path) -> list[str]:
         cmd += ["--lr", str(d.lr)]
     if d.init_from:
         cmd += ["--init-from", d.init_from]
+    if d.seed:
+        cmd += ["--seed", str(d.seed)]
     return cmd
+
+
+def seeded(name: str, seed: int) -> str:
+    return name if seed == 0 else f"{name}.s{seed}"
+
+
+def with_seed(opts: dict[str, Any], seed: int) -> dict[str, Any]:
+    return {**opts, "seed": seed} if seed else opts
 
 
 def train_all(cfg: BenchConfig, drafters: list[Drafter], runs: Path, stages: Stages, *, threads: int) -> None:
@@ -460,6 +547,14 @@ def acceptance_cmd(cfg: BenchConfig, runs: list[Path], data: Path, prefix: Path,
     return cmd
 
 
+def online_cmd(cfg: BenchConfig, run: Path, data: Path, prefix: Path) -> list[str]:
+    opts = cfg.online or {}
+    return [sys.executable, "-m", "eval.online", str(run), "--data", str(data), "--steps",
+            str(opts.get("steps", 3)), "--max-samples", str(opts.get("max_samples", 0)),
+            "--max-model-len", str(cfg.max_length), "--speed-samples", "0", "--json",
+            f"{prefix}.json", "--markdown", f"{prefix}.md"]
+
+
 def run_benchmark(cfg: BenchConfig, work: Path, *, scale: float, threads: int) -> dict[str, Any]:
     t_start = time.perf_counter()
     work.mkdir(parents=True, exist_ok=True)
@@ -478,8 +573,10 @@ def run_benchmark(cfg: BenchConfig, work: Path, *, scale: float, threads: int) -
     opts = train_options(cfg)
     world = cfg.procs
     variants = [tuple(v.split("/")) for v in cfg.variants]
-    train_dtypes = sorted({"bf16", *(d for d, _ in variants)})
-    train_teachers = ["topk"] + (["last_hidden"] if any(t == "last_hidden" for _, t in variants) else [])
+    storage_teachers = sorted({t for _, t in variants})
+    # the whole set is captured once more per storage dtype, or the storage variants get their own subset
+    train_dtypes = sorted({"bf16", *(d for d, _ in variants)}) if cfg.storage_samples == 0 else ["bf16"]
+    train_teachers = sorted({"topk", *storage_teachers}) if cfg.storage_samples == 0 else ["topk"]
 
     # ---------------------------------------------------------------- data
     prompts = first_exchanges(cfg.train_prompts, work / "inputs" / f"chitchat-first-{cfg.train_prompts}.jsonl",
@@ -487,17 +584,28 @@ def run_benchmark(cfg: BenchConfig, work: Path, *, scale: float, threads: int) -
     data = work / "data"
     human = data / "train-human"
     stages.run("extract-train-human", extract_cmd(cfg, str(prompts), human, teachers=["topk"], hidden_dtype="bf16",
-                                                  regenerate=False, max_samples=0, max_new_tokens=0),
+                                                  regenerate=False, max_samples=0, max_new_tokens=0, training=True),
                has_manifest(human))
     regen = {d: data / f"train-regen-{d}" for d in train_dtypes}
     stages.run("extract-train-regen-bf16", extract_cmd(
         cfg, str(prompts), regen["bf16"], teachers=train_teachers, hidden_dtype="bf16", regenerate=True,
-        max_samples=0, max_new_tokens=cfg.max_new_tokens), has_manifest(regen["bf16"]))
+        max_samples=0, max_new_tokens=cfg.max_new_tokens, self_prompts=cfg.self_prompts, training=True),
+        has_manifest(regen["bf16"]))
     for d in train_dtypes:
         if d != "bf16":  # the same conversations: the bf16 run's regenerated.jsonl, captured again
             stages.run(f"extract-train-regen-{d}", extract_cmd(
                 cfg, str(regen["bf16"] / "regenerated.jsonl"), regen[d], teachers=train_teachers, hidden_dtype=d,
-                regenerate=False, max_samples=0, max_new_tokens=0), has_manifest(regen[d]))
+                regenerate=False, max_samples=0, max_new_tokens=0, training=True), has_manifest(regen[d]))
+    if cfg.storage_samples == 0:
+        storage_data = regen
+    else:  # the first storage_samples conversations of the same set, captured once per hidden dtype
+        subset = every_kth(regen["bf16"] / "regenerated.jsonl", cfg.storage_samples,
+                           work / "inputs" / f"storage-subset-{cfg.storage_samples}.jsonl")
+        storage_data = {d: data / f"train-storage-{d}" for d in sorted({d for d, _ in variants})}
+        for d, path in storage_data.items():
+            stages.run(f"extract-train-storage-{d}", extract_cmd(
+                cfg, str(subset), path, teachers=storage_teachers, hidden_dtype=d, regenerate=False, max_samples=0,
+                max_new_tokens=0, training=True), has_manifest(path))
     indomain = None
     if cfg.indomain_eval_prompts > 0:  # unseen chitchat prompts: the training domain without the topic shift
         held_out = first_exchanges(cfg.indomain_eval_prompts,
@@ -522,27 +630,33 @@ def run_benchmark(cfg: BenchConfig, work: Path, *, scale: float, threads: int) -
     a = Drafter("A", human, "topk", "bf16", steps=cfg.steps_a, lr=cfg.lr,
                 description="mismatched: chitchat human replies")
     budget = planned_tokens(human, a.steps, opts, world)[-1]
-    regen_steps = steps_for_tokens(regen["bf16"], budget, opts, world, start=a.steps)
-    log.info("token budget: A %d steps = %d tokens planned; %d steps on the regenerated data", a.steps, budget,
-             regen_steps)
     drafters = [a]
-    drafters.append(Drafter("B", regen["bf16"], "topk", "bf16", steps=regen_steps, init_from="(A)",
-                            lr=cfg.retrain_lr if cfg.retrain_lr is not None else cfg.lr,
-                            description="retrained: warm start from A, target's replies"))
-    drafters.append(Drafter("C", regen["bf16"], "topk", "bf16", steps=regen_steps, lr=cfg.lr,
-                            description="scratch: target's replies (storage bf16/topk)"))
+
+    def add(name: str, data_path: Path, teacher: str, dtype: str, seed: int, **kw: Any) -> None:
+        # every run gets the step count whose tokens (in its own seed's data order) come closest to A's
+        steps = steps_for_tokens(data_path, budget, with_seed(opts, seed), world, start=a.steps)
+        drafters.append(Drafter(seeded(name, seed), data_path, teacher, dtype, steps=steps, seed=seed, **kw))
+
+    retrain_lr = cfg.retrain_lr if cfg.retrain_lr is not None else cfg.lr
+    for seed in range(cfg.seeds):
+        add("B", regen["bf16"], "topk", "bf16", seed, init_from="(A)", lr=retrain_lr,
+            description="retrained: warm start from A, target's replies")
+    add("C", regen["bf16"], "topk", "bf16", 0, lr=cfg.lr, description="scratch: target's replies")
     for dtype, teacher in variants:
-        if (dtype, teacher) != ("bf16", "topk"):
-            drafters.append(Drafter(f"S-{dtype}-{teacher}", regen[dtype], teacher, dtype, steps=regen_steps,
-                                    lr=cfg.lr, description=f"storage variant: scratch, {dtype} hidden, {teacher}"))
+        for seed in range(cfg.seeds):
+            add(f"S-{dtype}-{teacher}", storage_data[dtype], teacher, dtype, seed, lr=cfg.lr,
+                description=f"storage variant: scratch, {dtype} hidden, {teacher}")
+    log.info("token budget: A %d steps = %d tokens planned; the others: %s", a.steps, budget,
+             ", ".join(f"{d.name} {d.steps} steps" for d in drafters[1:]))
     train_all(cfg, drafters, runs, stages, threads=train_threads)
 
     # ---------------------------------------------------------------- evaluation
     ev = work / "eval"
     ev.mkdir(exist_ok=True)
     all_runs = [runs / d.name for d in drafters]
-    abc = all_runs[:3]
-    storage_runs = [runs / ("C" if (dt, te) == ("bf16", "topk") else f"S-{dt}-{te}") for dt, te in variants]
+    abc = [runs / n for n in ("A", "B", "C")]
+    storage_runs = [runs / d.name for d in drafters if d.family.startswith("S-")]
+    b_runs = [runs / d.name for d in drafters if d.family == "B"]
     jobs = [("chain-bf16", all_runs, evals["bf16"], False)]
     if cfg.tree:
         jobs.append(("tree-bf16", abc, evals["bf16"], True))
@@ -550,7 +664,7 @@ def run_benchmark(cfg: BenchConfig, work: Path, *, scale: float, threads: int) -
         if d != "bf16":
             jobs.append((f"chain-{d}", storage_runs, evals[d], False))
     if indomain is not None:
-        jobs.append(("indomain-chain", abc, indomain, False))
+        jobs.append(("indomain-chain", [abc[0], *b_runs, abc[2]], indomain, False))
     results: dict[str, dict[str, Any]] = {}
     for name, job_runs, job_data, tree in jobs:
         prefix = ev / name
@@ -558,17 +672,26 @@ def run_benchmark(cfg: BenchConfig, work: Path, *, scale: float, threads: int) -
                    lambda p=prefix, r=job_runs: _newer_than_checkpoints(Path(f"{p}.json"), r))
         rep = json.loads(Path(f"{prefix}.json").read_text())
         results[name] = dict(zip([r.name for r in job_runs], rep["checkpoints"].values(), strict=True))
+    online = None
+    if cfg.online is not None:  # B's tau as vLLM CPU counts it, on the same MT-bench prompts and replies
+        prefix = ev / "online-B"
+        stages.run("online-B", online_cmd(cfg, runs / "B", evals["bf16"], prefix),
+                   lambda p=prefix: _newer_than_checkpoints(Path(f"{p}.json"), [runs / "B"]))
+        online = {"B": json.loads(Path(f"{prefix}.json").read_text())}
+        online["B"].pop("per_request", None)
 
     # ---------------------------------------------------------------- evidence and report
     datasets = {}
-    for p in [human, *regen.values(), *evals.values(), *([indomain] if indomain else [])]:
+    for p in dict.fromkeys([human, *regen.values(), *storage_data.values(), *evals.values(),
+                            *([indomain] if indomain else [])]):
         m = manifest(p)
         datasets[p.name] = {"path": str(p), "num_samples": m["num_samples"], "num_tokens": m["num_tokens"],
                             "num_loss_tokens": m["num_loss_tokens"], "hidden_dtype": m["hidden_dtype"],
                             "teacher": m["teacher"], "generation": m.get("generation"),
+                            "self_prompts": _self_prompt_counts(m), "decontamination": m.get("decontamination"),
                             "tokens_per_sample": m["num_tokens"] / max(m["num_samples"], 1),
                             "loss_tokens_per_sample": m["num_loss_tokens"] / max(m["num_samples"], 1)}
-    storage = {f"{dt}/{te}": storage_row(regen[dt], te) for dt, te in variants}
+    storage = {f"{dt}/{te}": storage_row(storage_data[dt], te) for dt, te in variants}
     drafter_rows: dict[str, Any] = {}
     for d in drafters:
         run = runs / d.name
@@ -584,7 +707,8 @@ def run_benchmark(cfg: BenchConfig, work: Path, *, scale: float, threads: int) -
             "lr": d.lr if d.lr is not None else _train_option(opts, "lr", None),
             "ttt_steps": _train_option(opts, "ttt_steps", 7),
             "draft_vocab_size": _train_option(opts, "draft_vocab_size", None),
-            "planned_tokens": planned_tokens(d.data, d.steps, opts, world)[-1],
+            "seed": d.seed, "family": d.family,
+            "planned_tokens": planned_tokens(d.data, d.steps, with_seed(opts, d.seed), world)[-1],
             "tokens_seen_metrics": logged["tokens"], "loss_tokens_seen_metrics": logged["loss_tokens"],
             "tokens_seen_rank0": state.get("tokens_seen"),
             "epochs_over_data": logged["tokens"] / max(int(dm["num_tokens"]), 1),
@@ -597,7 +721,7 @@ def run_benchmark(cfg: BenchConfig, work: Path, *, scale: float, threads: int) -
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
                     "threads": threads, "train_processes": cfg.procs, "python": platform.python_version()},
         "config": snapshot, "train_options": opts, "datasets": datasets, "storage": storage,
-        "drafters": drafter_rows, "eval": results,
+        "drafters": drafter_rows, "eval": results, "online": online,
         "stage_seconds": stages.seconds, "stages_reused": stages.reused,
         "stage_seconds_total": sum(stages.seconds.values()),
         "wall_seconds_this_invocation": time.perf_counter() - t_start,
@@ -614,7 +738,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="sizes (YAML, BenchConfig keys)")
     ap.add_argument("--out", type=Path, required=True, help="work folder: data, drafters, eval, report.*")
-    ap.add_argument("--scale", type=float, default=1.0, help="multiplies train_prompts, eval_prompts, indomain_eval_prompts and steps_a")
+    ap.add_argument("--scale", type=float, default=1.0, help="multiplies train_prompts, self_prompts, "
+                    "storage_samples and steps_a (the evaluation sets keep their size)")
     ap.add_argument("--procs", type=int, default=None, help="training processes: 1 (plain) or 2 (accelerate "
                     "launch, DeepSpeed ZeRO-2 on CPU); default from the config")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,

@@ -55,14 +55,17 @@ def _save(model: nn.Module, tokenizer, path: str | Path) -> Path:
     return path
 
 
-def tiny_llama_config(vocab_size: int, num_layers: int = 6, tie_word_embeddings: bool = False) -> LlamaConfig:
+def tiny_llama_config(vocab_size: int, num_layers: int = 6, tie_word_embeddings: bool = False,
+                      heads: tuple[int, int] = (4, 2)) -> LlamaConfig:
+    """``heads``: (query, key/value) heads of the 64-wide model; (2, 1) gives head_dim 32, which vLLM CPU's
+    attention supports (16 it refuses)."""
     return LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads[0],
+        num_key_value_heads=heads[1],
         max_position_embeddings=512,
         rms_norm_eps=1e-5,
         tie_word_embeddings=tie_word_embeddings,
@@ -100,12 +103,12 @@ def tiny_deepseek_v3_config(vocab_size: int, num_layers: int = 6) -> DeepseekV3C
 
 def make_tiny_llama(
     path: str | Path, vocab_size: int | None = None, num_layers: int = 6, *, tie_word_embeddings: bool = False,
-    seed: int = 0, chat: str = "chatml",
+    seed: int = 0, chat: str = "chatml", heads: tuple[int, int] = (4, 2),
 ) -> Path:
-    """A 64-wide LlamaForCausalLM (GQA 4/2 heads); vocab defaults to len(tokenizer)."""
+    """A 64-wide LlamaForCausalLM (GQA 4/2 heads by default); vocab defaults to len(tokenizer)."""
     tok = build_chat_tokenizer(chat)
     torch.manual_seed(seed)
-    cfg = tiny_llama_config(_vocab(tok, vocab_size), num_layers, tie_word_embeddings)
+    cfg = tiny_llama_config(_vocab(tok, vocab_size), num_layers, tie_word_embeddings, heads)
     return _save(AutoModelForCausalLM.from_config(cfg), tok, path)
 
 
