@@ -279,7 +279,8 @@ def tokenize_conversation(tokenizer: Any, messages: Sequence[Message], max_lengt
     return TokenizedSample(ids[:max_length], mask[:max_length], truncated)
 
 
-def _sha256_json(obj: Any) -> str:
+def sha256_json(obj: Any) -> str:
+    """SHA-256 of ``obj`` as canonical JSON (sorted keys): the fingerprint every recipe and plan records."""
     return hashlib.sha256(json.dumps(obj, sort_keys=True, ensure_ascii=False).encode("utf-8")).hexdigest()
 
 
@@ -293,9 +294,9 @@ def tokenizer_hash(tokenizer: Any) -> str:
     if backend is not None:
         state = json.loads(backend.to_str())
         keep = {k: state.get(k) for k in ("model", "added_tokens", "normalizer", "pre_tokenizer")}
-        return _sha256_json(keep)
+        return sha256_json(keep)
     added = {str(k): v for k, v in (getattr(tokenizer, "added_tokens_encoder", None) or {}).items()}
-    return _sha256_json({"vocab": sorted(tokenizer.get_vocab().items()), "added": sorted(added.items())})
+    return sha256_json({"vocab": sorted(tokenizer.get_vocab().items()), "added": sorted(added.items())})
 
 
 def chat_template_hash(tokenizer: Any) -> str:
@@ -305,4 +306,4 @@ def chat_template_hash(tokenizer: Any) -> str:
         raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', '?')!r} has no chat template")
     if isinstance(template, str):
         return hashlib.sha256(template.encode("utf-8")).hexdigest()
-    return _sha256_json(template)
+    return sha256_json(template)

@@ -12,8 +12,6 @@ or more evaluation inputs, a threshold no higher), but they are counted in the s
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from core.config import ConfigError
+from extract.chat import sha256_json
 from extract.prompt_filters import EvalSet, FilterSettings
 from extract.records import Record, read_records
 
@@ -69,10 +68,6 @@ def self_check_covers(cfg: Any) -> bool:
     return cfg.self_eval_overlap <= cfg.eval_overlap and all(any(_same(a, b) for b in theirs) for a in mine)
 
 
-def _sha(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
-
-
 @dataclass
 class Decontamination:
     """The check of one run: its settings, then what it found (fed record by record through :meth:`keep`)."""
@@ -95,7 +90,7 @@ class Decontamination:
         if not texts:
             raise ConfigError(f"decontaminate: {list(sources)} hold no user turns to check against")
         settings = FilterSettings(eval_overlap=eval_overlap)
-        return cls(tuple(sources), eval_overlap, EvalSet(texts, settings), _sha(texts))
+        return cls(tuple(sources), eval_overlap, EvalSet(texts, settings), sha256_json(texts))
 
     def keep(self, path: Path, record: Record) -> bool:
         """False when a user turn of the record is close to an evaluation prompt (counted and logged)."""

@@ -11,7 +11,6 @@ depend on the world size, and a killed run rerun with the same command produces 
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import logging
 import time
@@ -38,7 +37,13 @@ from core.dataset.format import (
 from core.dataset.writer import ShardWriter, finalize_dataset
 from core.embedded import SELF_DATA, resolve_data, resolve_target
 from extract.backends.base import GenerationConfig, TargetBackend, TeacherSpec
-from extract.chat import TokenizedSample, chat_template_hash, tokenize_conversation, tokenizer_hash
+from extract.chat import (
+    TokenizedSample,
+    chat_template_hash,
+    sha256_json,
+    tokenize_conversation,
+    tokenizer_hash,
+)
 from extract.config import ExtractConfig
 from extract.decontaminate import REASON as EVAL_OVERLAP
 from extract.decontaminate import Decontamination, refuse_contradiction, self_check_covers
@@ -153,16 +158,12 @@ def make_plan(
         # option existed still resume.
         **({"regen_backend": cfg.regen_backend} if cfg.regenerate and cfg.regen_backend != "hf" else {}),
         # The prompts the target wrote (their file is among the inputs); absent when unused.
-        **({"self_prompts": {"recipe_sha256": _sha256_json(self_prompts.report["recipe"]),
+        **({"self_prompts": {"recipe_sha256": sha256_json(self_prompts.report["recipe"]),
                              "counts": self_prompts.report["counts"]}} if self_prompts is not None else {}),
         # Which evaluation prompts records were checked against, and how; absent when off, so folders
         # started before the option existed still resume.
         **({"decontamination": decontamination.plan()} if decontamination is not None else {}),
     }
-
-
-def _sha256_json(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
 
 
 def record_sizes(cfg: ExtractConfig, tokenizer: Callable[[], Any], records: Sequence[Record], bpt: int) -> list[int]:

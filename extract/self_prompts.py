@@ -35,7 +35,7 @@ from core.atomic import atomic_write_text
 from core.config import ConfigError
 from core.embedded import SELF_DATA
 from extract.backends.base import GenerationConfig
-from extract.chat import chat_template_hash, stop_token_ids, tokenizer_hash, user_turn_prefix
+from extract.chat import chat_template_hash, sha256_json, stop_token_ids, tokenizer_hash, user_turn_prefix
 from extract.decontaminate import eval_prompts
 from extract.prompt_filters import DROP_REASONS, EvalSet, FilterSettings, PromptFilter
 from extract.records import Message, Record, write_records_jsonl
@@ -123,10 +123,6 @@ class SelfPromptOptions:
                                 seed=self.seed, batch_size=batch_size)
 
 
-def _sha(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
-
-
 def prefixes(tokenizer: Any, categories: Sequence[str]) -> dict[str, list[int]]:
     """The prompt ids of each category ('' : no hint, the template's own default)."""
     if not categories:
@@ -146,7 +142,7 @@ def make_recipe(opts: SelfPromptOptions, target: str, tokenizer: Any, starts: di
         "max_samples": opts.max_samples,
         "categories": list(opts.categories),
         "hints": {c: category_hint(c) for c in opts.categories},
-        "prefixes": {c: {"tokens": len(ids), "sha256": _sha(ids),
+        "prefixes": {c: {"tokens": len(ids), "sha256": sha256_json(ids),
                          "text": tokenizer.decode(ids, skip_special_tokens=False)} for c, ids in starts.items()},
         "temperature": opts.temperature,
         "top_p": opts.top_p,
@@ -155,7 +151,7 @@ def make_recipe(opts: SelfPromptOptions, target: str, tokenizer: Any, starts: di
         "seeds": "sha256('redraft-self:{seed}:{index}') mod 2^31-1, one per prompt",
         "stop_token_ids": stop_token_ids(tokenizer),
         "filters": opts.filters.to_json(),
-        "decontaminate": {"sources": list(opts.decontaminate), "prompts": len(evals), "sha256": _sha(list(evals))},
+        "decontaminate": {"sources": list(opts.decontaminate), "prompts": len(evals), "sha256": sha256_json(list(evals))},
     }
 
 
