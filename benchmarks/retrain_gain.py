@@ -103,7 +103,7 @@ class BenchConfig:
     self_prompts: int = 0  # prompts the target writes itself (--data self), added to B's and C's training set
     self_options: dict[str, Any] = field(default_factory=dict)  # extract --self-* options, e.g. {categories: mtbench}
     regen_backend: str = "hf"  # who writes the target's replies: hf, vllm (extract --regen-backend)
-    storage_samples: int = 0  # storage variants train on the first N target-written conversations (0: all)
+    storage_samples: int = 0  # storage variants train on N target-written conversations spread over the set (0: all)
     regen_kv_cache_gb: float | None = None  # vLLM's KV cache (bounds the prompts it runs at once)
     decontaminate: list[str] = field(default_factory=list)  # eval sets no training record may be close to
     seeds: int = 1  # training seeds of B and of the storage variants (mean and spread reported)
@@ -254,7 +254,11 @@ def first_exchanges(n: int, out: Path, max_prompt_chars: int, skip: int = 0) -> 
                 rows.append({"id": rec["id"], "source": "chitchat", "conversations": turns})
     if len(rows) < skip + n:
         raise BenchError(f"{src}: only {len(rows)} usable conversations, {skip + n} asked for")
-    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows[skip:])
+    return _write_if_changed(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows[skip:]))
+
+
+def _write_if_changed(out: Path, text: str) -> Path:
+    """Write a stage's input file only when its text changed (a rerun leaves a finished input untouched)."""
     if not out.is_file() or out.read_text(encoding="utf-8") != text:
         atomic_write_text(out, text)
     return out
@@ -266,10 +270,7 @@ def every_kth(src: Path, n: int, out: Path) -> Path:
     if n > len(lines):
         raise BenchError(f"storage_samples {n} > the {len(lines)} records of {src}")
     picked = [lines[i * len(lines) // n] for i in range(n)]
-    text = "".join(line + "\n" for line in picked)
-    if not out.is_file() or out.read_text(encoding="utf-8") != text:
-        atomic_write_text(out, text)
-    return out
+    return _write_if_changed(out, "".join(line + "\n" for line in picked))
 
 
 def extract_cmd(cfg: BenchConfig, data: str, out: Path, *, teachers: list[str], hidden_dtype: str,
@@ -437,11 +438,6 @@ def _newer_than_checkpoints(path: Path, runs: list[Path]) -> bool:
 # ----------------------------------------------------------------------------- evidence
 
 
-def _self_prompt_counts(m: dict[str, Any]) -> dict[str, Any] | None:
-    """What --data self contributed to a dataset (its manifest's recipe counts), or None."""
-    return m.get("self_prompts") or None
-
-
 def vocab_coverage(ckpt: Path, eval_data: Path) -> float:
     """Fraction of the eval set's loss tokens whose token is in the drafter's draft vocab (t2d)."""
     from safetensors import safe_open
@@ -598,7 +594,7 @@ def run_benchmark(cfg: BenchConfig, work: Path, *, scale: float, threads: int) -
                 regenerate=False, max_samples=0, max_new_tokens=0, training=True), has_manifest(regen[d]))
     if cfg.storage_samples == 0:
         storage_data = regen
-    else:  # the first storage_samples conversations of the same set, captured once per hidden dtype
+    else:  # storage_samples conversations spread over the same set, captured once per hidden dtype
         subset = every_kth(regen["bf16"] / "regenerated.jsonl", cfg.storage_samples,
                            work / "inputs" / f"storage-subset-{cfg.storage_samples}.jsonl")
         storage_data = {d: data / f"train-storage-{d}" for d in sorted({d for d, _ in variants})}
@@ -688,7 +684,7 @@ def run_benchmark(cfg: BenchConfig, work: Path, *, scale: float, threads: int) -
         datasets[p.name] = {"path": str(p), "num_samples": m["num_samples"], "num_tokens": m["num_tokens"],
                             "num_loss_tokens": m["num_loss_tokens"], "hidden_dtype": m["hidden_dtype"],
                             "teacher": m["teacher"], "generation": m.get("generation"),
-                            "self_prompts": _self_prompt_counts(m), "decontamination": m.get("decontamination"),
+                            "self_prompts": m.get("self_prompts"), "decontamination": m.get("decontamination"),
                             "tokens_per_sample": m["num_tokens"] / max(m["num_samples"], 1),
                             "loss_tokens_per_sample": m["num_loss_tokens"] / max(m["num_samples"], 1)}
     storage = {f"{dt}/{te}": storage_row(storage_data[dt], te) for dt, te in variants}
