@@ -68,12 +68,39 @@ class OnlineSettings:
     max_new_tokens: int = 0  # 0: each answer's stored length
     speed_samples: int = 8  # requests also run without the drafter, for tokens/s (0: skip the base engine)
     dtype: str = "float32"
-    max_model_len: int = 2048
+    max_model_len: int | None = None  # None: the target's context, at most DEFAULT_MAX_MODEL_LEN
     kv_cache_bytes: int = 1 << 30
     timeout_s: int = 3600
     temperature: float = 0.0  # > 0: sampled (seeded per request); the answers are then not comparable token for token
     engine_python: str | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
+
+
+DEFAULT_MAX_MODEL_LEN = 2048
+
+
+def target_context(target: Path) -> int | None:
+    """The target's context length from its config.json (None when it does not say)."""
+    try:
+        cfg = json.loads((target / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    text = cfg.get("text_config") or cfg
+    ctx = text.get("max_position_embeddings")
+    return int(ctx) if ctx else None
+
+
+def engine_context(requested: int | None, context: int | None, longest: int) -> int:
+    """vLLM's --max-model-len: the requested one, else the target's context capped at the default.
+
+    vLLM refuses a --max-model-len above the target's context, so the default follows the target; the
+    value is raised to the longest request, and a request longer than the target's context is an error.
+    """
+    if context is not None and longest > context:
+        raise OnlineError(f"the longest request needs {longest} tokens of context (prompt, answer and draft steps) but the "
+                          f"target's max_position_embeddings is {context}; pass --max-new-tokens or --max-samples")
+    base = requested if requested is not None else min(DEFAULT_MAX_MODEL_LEN, context or DEFAULT_MAX_MODEL_LEN)
+    return max(base, longest)
 
 
 # ----------------------------------------------------------------------------- requests and drafter
@@ -195,7 +222,7 @@ def measure(ckpt: str | Path, reader: Any, indices: Sequence[int], settings: Onl
         lm_head = _read_lm_head(reader.manifest, Path(tpath), "cpu")
     reqs = build_requests(reader, indices, settings.max_new_tokens, lm_head)
     longest = max(len(r.prompt) + r.max_tokens + settings.steps + 1 for r in reqs)
-    max_model_len = max(settings.max_model_len, longest)
+    max_model_len = engine_context(settings.max_model_len, target_context(Path(tpath)), longest)
     log.info("engine: %s (%s); %d requests from %d samples, K=%d", python, source, len(reqs), len(indices),
              settings.steps)
     token_reqs = [TokenRequest(id=r.id, prompt_token_ids=r.prompt, max_tokens=r.max_tokens,
@@ -223,6 +250,7 @@ def measure(ckpt: str | Path, reader: Any, indices: Sequence[int], settings: Onl
     return {
         "engine": "vllm", "engine_version": spec.get("vllm_version"), "engine_python": python,
         "drafter": str(ckpt), "drafter_folder": how, "target": tpath, "steps": settings.steps,
+        "max_model_len": max_model_len,
         "temperature": settings.temperature,
         "samples": len(indices), "requests": len(rows),
         "all": aggregate(rows, settings.steps),
@@ -319,7 +347,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 (default): greedy; > 0: sampled, seeded per request (outputs then differ from the data)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="engine dtype (float32)")
-    p.add_argument("--max-model-len", type=int, default=2048, help="engine context (raised to fit the longest request)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help=f"engine context (default: the target's, at most {DEFAULT_MAX_MODEL_LEN}; raised to fit the "
+                        "longest request)")
     p.add_argument("--timeout", type=int, default=3600, help="seconds per engine run before it is stopped")
     p.add_argument("--json", default=None, help="write the report (with per-request counters) as JSON")
     p.add_argument("--markdown", default=None, help="write the table as Markdown")

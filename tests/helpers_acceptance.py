@@ -81,6 +81,7 @@ def write_target(path: Path, drafter, lm_head: torch.Tensor, architecture: str =
     (path / "config.json").write_text(json.dumps({
         "architectures": [architecture], "model_type": "llama", "hidden_size": cfg.target_hidden_size,
         "vocab_size": cfg.vocab_size, "num_hidden_layers": cfg.target_num_layers, "tie_word_embeddings": False,
+        "max_position_embeddings": cfg.max_position_embeddings,
     }))
     save_file({"model.embed_tokens.weight": drafter.embed_tokens.weight.detach().clone().contiguous(),
                "lm_head.weight": lm_head.contiguous()}, str(path / "model.safetensors"))

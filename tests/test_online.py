@@ -163,7 +163,19 @@ def test_measure_through_the_driver(world, monkeypatch):
     assert res["all"]["accept_rate"][2] == 0.0
     assert res["lossless"] == {"equal": 2, "of": 2} and res["tokens_per_s"]["without_drafter"] > 0
     assert res["drafter_folder"].startswith("exported from")
+    assert res["max_model_len"] == 256  # the tiny target's context (below the 2048 default vLLM would refuse)
     assert "tau online (1 + accepted/drafts)" in online.format_table(res)
+
+
+def test_engine_context_follows_the_target(world):
+    assert online.target_context(world["target"]) == 256
+    assert online.target_context(world["root"]) is None  # no config.json
+    assert online.engine_context(None, 256, 40) == 256
+    assert online.engine_context(None, 8192, 40) == online.DEFAULT_MAX_MODEL_LEN
+    assert online.engine_context(None, None, 40) == online.DEFAULT_MAX_MODEL_LEN
+    assert online.engine_context(128, 256, 200) == 200  # raised to the longest request
+    with pytest.raises(online.OnlineError, match="max_position_embeddings is 256"):
+        online.engine_context(None, 256, 300)
 
 
 def test_engine_failure_is_loud(world):
