@@ -7,8 +7,10 @@ The real engine is exercised by ``make engine-truth`` (CI), which needs the vLLM
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -231,6 +233,35 @@ def test_driver_usage_error():
     assert proc.returncode == 2 and "usage" in proc.stderr
     proc = subprocess.run([sys.executable, str(driver)], input="", capture_output=True, text=True, check=False)
     assert proc.returncode == 2  # no settings line: nothing to load
+
+
+def test_killed_driver_takes_the_engine_processes_with_it(tmp_path):
+    """vLLM's EngineCore is a child of the driver: a SIGTERM to the driver (or its runner dying) ends both."""
+    pid_file = tmp_path / "engine.pid"
+    spawning = write_fake_vllm(tmp_path / "spawning", FAKE_VLLM.replace(
+        "        self.k = speculative_config",
+        "        import subprocess\n"
+        f"        open({str(pid_file)!r}, 'w').write(str(subprocess.Popen(['sleep', '300']).pid))\n"
+        "        self.k = speculative_config"))
+    engine = vllm_engine.VLLMEngine(vllm_engine.EngineSettings(target=str(tmp_path)), python=sys.executable,
+                                    extra_env={"PYTHONPATH": str(spawning)})
+    child = int(pid_file.read_text())
+    assert _running(child)  # the stand-in's "EngineCore"
+    os.kill(engine._proc.pid, signal.SIGTERM)
+    engine._proc.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while _running(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _running(child)
+    engine.close()
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie waiting to be reaped."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
 
 
 def test_engine_timeout_stops_it(world, tmp_path):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -213,11 +214,28 @@ def serve(inp: Any, proto: Any) -> int:
     return 0
 
 
+def _take_engine_down_with_us() -> None:
+    """On SIGTERM (sent by the runner, or by the kernel when the runner dies), kill this process group.
+
+    vLLM runs its EngineCore and workers as child processes that outlive the driver when it dies alone;
+    the runner starts the driver as its own group's leader, so the group is the driver and the engine.
+    Run by hand in someone else's group, the default SIGTERM stays (it must not kill the caller).
+    """
+    if os.getpgrp() != os.getpid():
+        return
+
+    def _kill_group(signum: int, frame: Any) -> None:
+        os.killpg(os.getpid(), signal.SIGKILL)
+
+    signal.signal(signal.SIGTERM, _kill_group)
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print("usage: python core/engines/vllm_driver.py  (settings and commands as JSON lines on stdin; "
               "started by core.engines.vllm)", file=sys.stderr)
         return 2
+    _take_engine_down_with_us()
     proto = os.fdopen(os.dup(1), "w")  # the protocol's own copy of stdout ...
     os.dup2(2, 1)  # ... and everything else that writes to fd 1 (vLLM, its workers) goes to the log
     sys.stdout = sys.stderr
