@@ -12,6 +12,8 @@ A benchmark, not a test. One command runs the real CLIs as subprocesses on the e
   * drafter B (retrained): ``--init-from`` A (draft vocab rebuilt), the target's replies, A's token count
     again (its total exposure is A's plus its own), once per seed (``seeds``);
   * drafter C (scratch): the target's replies with the same token count;
+  * B-xM (``budget_multiples``): B retrained again with M times A's tokens (its own lr schedule), for
+    tau against the retraining budget;
   * storage variants: hidden dtype x teacher (fp8/topk against bf16/last_hidden by default), each per
     seed, on ``storage_samples`` target-written conversations spread over the set (0: all of it);
   * ``python -m eval.acceptance --split all`` on the MT-bench set: tau for chains of 1..K in the engine's
@@ -46,7 +48,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -108,6 +110,10 @@ class BenchConfig:
     decontaminate: list[str] = field(default_factory=list)  # eval sets no training record may be close to
     seeds: int = 1  # training seeds of B and of the storage variants (mean and spread reported)
     online: dict[str, int] | None = None  # B's tau in vLLM CPU on the MT-bench set: {steps: 3, max_samples: 0}
+    budget_multiples: list[int] = field(default_factory=list)  # B-xM: B (seed 0) again with M x A's tokens
+
+    # keys that only add drafters named by their value: changing them keeps a run's other stages valid
+    ADDITIVE: ClassVar[tuple[str, ...]] = ("budget_multiples",)
 
     @classmethod
     def load(cls, path: Path) -> BenchConfig:
@@ -146,6 +152,8 @@ class BenchConfig:
         unknown = sorted(set(self.online or {}) - {"steps", "max_samples"})
         if unknown:
             raise BenchError(f"{where}: online: unknown key(s) {unknown}; known: ['max_samples', 'steps']")
+        if any(not isinstance(m, int) or m < 2 for m in self.budget_multiples):
+            raise BenchError(f"{where}: budget_multiples must be integers >= 2, got {self.budget_multiples}")
 
     def scaled(self, scale: float) -> BenchConfig:
         if scale <= 0:
@@ -558,12 +566,12 @@ def run_benchmark(cfg: BenchConfig, work: Path, *, scale: float, threads: int) -
     snap_path = work / "bench-config.json"
     if snap_path.is_file():
         old = json.loads(snap_path.read_text())
-        diff = sorted(k for k in set(old) | set(snapshot) if old.get(k) != snapshot.get(k))
+        diff = sorted(k for k in set(old) | set(snapshot)
+                      if old.get(k) != snapshot.get(k) and k not in BenchConfig.ADDITIVE)
         if diff:
             raise BenchError(f"{work} holds a run with other settings ({', '.join(diff)} differ, see {snap_path}); "
                              "use another --out")
-    else:
-        atomic_write_text(snap_path, json.dumps(snapshot, indent=2) + "\n")
+    atomic_write_text(snap_path, json.dumps(snapshot, indent=2) + "\n")
     stages = Stages(work, threads)
     train_threads = max(1, threads // cfg.train_jobs) if cfg.procs == 1 else 1
     opts = train_options(cfg)
@@ -637,6 +645,11 @@ def run_benchmark(cfg: BenchConfig, work: Path, *, scale: float, threads: int) -
     for seed in range(cfg.seeds):
         add("B", regen["bf16"], "topk", "bf16", seed, init_from="(A)", lr=retrain_lr,
             description="retrained: warm start from A, target's replies")
+    # how tau grows with the retraining budget (each run its own lr schedule); the longest queued first
+    for m in sorted(cfg.budget_multiples, reverse=True):
+        steps = steps_for_tokens(regen["bf16"], budget * m, opts, world, start=a.steps * m)
+        drafters.append(Drafter(f"B-x{m}", regen["bf16"], "topk", "bf16", steps=steps, init_from="(A)",
+                                lr=retrain_lr, description=f"retrained: warm start from A, {m}x A's tokens"))
     add("C", regen["bf16"], "topk", "bf16", 0, lr=cfg.lr, description="scratch: target's replies")
     for dtype, teacher in variants:
         for seed in range(cfg.seeds):

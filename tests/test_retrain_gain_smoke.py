@@ -155,6 +155,25 @@ def test_retrain_gain_smoke(tmp_path: Path) -> None:
     assert ckpt.stat().st_mtime_ns == mtime
     assert again["eval"] == report["eval"]
 
+    # a larger retraining budget added to the same folder: only B-x2 trains, only the chain eval reruns
+    more = yaml.safe_load(config.read_text())
+    more["budget_multiples"] = [2]
+    config.write_text(yaml.safe_dump(more))
+    res4 = _run(config, out)
+    assert res4.returncode == 0, res4.stdout[-3000:] + res4.stderr[-3000:]
+    grown = json.loads((out / "report.json").read_text())
+    assert set(grown["stages_reused"]) == stages - {"eval-chain-bf16"}
+    assert set(grown["stage_seconds"]) == stages | {"train-B-x2"}
+    bx2, b = grown["drafters"]["B-x2"], grown["drafters"]["B"]
+    assert bx2["init_from"] == drafters["A"]["checkpoint"] and bx2["data"] == "train-regen-bf16"
+    assert bx2["planned_tokens"] == bx2["tokens_seen_metrics"] > b["tokens_seen_metrics"]
+    assert bx2["steps"] > b["steps"]
+    budget = grown["goals"]["tau_B_budget"]
+    assert [r["name"] for r in budget["rows"]] == ["B", "B-x2"]
+    assert budget["rows"][1]["tau3"] == grown["eval"]["chain-bf16"]["B-x2"]["tau_per_chain_length"]["3"]
+    assert grown["goals"]["tau_B"] == report["goals"]["tau_B"]  # the goal stays B's (A's budget)
+    assert "## Retraining budget" in (out / "report.md").read_text()
+
     # other sizes in the same folder are refused by name
     other = yaml.safe_load(config.read_text())
     other["steps_a"] = 3
