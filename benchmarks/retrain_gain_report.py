@@ -225,25 +225,26 @@ def markdown(report: dict[str, Any]) -> str:
     for fam in dict.fromkeys(families):
         st = family_tau(chain, fam)
         lines.append(f"| {fam} | {st['n']} | {st['mean']:.3f} ± {st['std']:.3f} | {st['min']:.3f}-{st['max']:.3f} |")
-    lines += ["", "## Storage variants (scratch, same token budget)", "",
-              "| hidden / teacher | bytes/token (used) | bytes/token (files) | tau chain 3 |"
-              + (f" tau chain {k} |" if k != 3 else "")
-              + "".join(f" tau chain 3 ({e[len('chain-'):]} eval) |" for e in report["eval"] if e.startswith("chain-")
-                        and e != "chain-bf16"),
-              "|---|---:|---:|---:|" + "---:|" * (k != 3) + "---:|" * sum(1 for e in report["eval"] if e.startswith("chain-")
-                                                      and e != "chain-bf16")]
-    for key, st in report["storage"].items():
-        fam = storage_family(key)
-        extra = "".join(f" {family_tau(r, fam)['mean']:.3f} |" for e, r in report["eval"].items()
-                        if e.startswith("chain-") and e != "chain-bf16")
-        lines.append(f"| {key} | {st['bytes_per_token']:.0f} | {st['file_bytes_per_token']:.0f} | "
-                     f"{_pm(family_tau(chain, fam))} |"
-                     + (f" {family_tau(chain, fam, k)['mean']:.3f} |" if k != 3 else "") + extra)
-    st = report["goals"].get("storage")
-    if st:
-        lines += ["", f"**Goal** fp8+topk within {GOAL_STORAGE:.0%} of bf16+last_hidden (tau chain 3, mean over "
-                  f"seeds): {st['relative_loss']:+.1%} lower ({'met' if st['met'] else 'missed'}); fp8+topk "
-                  f"{_pm(st['tau3_fp8_topk_seeds'])}, bf16+last_hidden {_pm(st['tau3_bf16_last_hidden_seeds'])}"]
+    if report["storage"]:
+        lines += ["", "## Storage variants (scratch, same token budget)", "",
+                  "| hidden / teacher | bytes/token (used) | bytes/token (files) | tau chain 3 |"
+                  + (f" tau chain {k} |" if k != 3 else "")
+                  + "".join(f" tau chain 3 ({e[len('chain-'):]} eval) |" for e in report["eval"] if e.startswith("chain-")
+                            and e != "chain-bf16"),
+                  "|---|---:|---:|---:|" + "---:|" * (k != 3) + "---:|" * sum(1 for e in report["eval"] if e.startswith("chain-")
+                                                          and e != "chain-bf16")]
+        for key, st in report["storage"].items():
+            fam = storage_family(key)
+            extra = "".join(f" {family_tau(r, fam)['mean']:.3f} |" for e, r in report["eval"].items()
+                            if e.startswith("chain-") and e != "chain-bf16")
+            lines.append(f"| {key} | {st['bytes_per_token']:.0f} | {st['file_bytes_per_token']:.0f} | "
+                         f"{_pm(family_tau(chain, fam))} |"
+                         + (f" {family_tau(chain, fam, k)['mean']:.3f} |" if k != 3 else "") + extra)
+        st = report["goals"].get("storage")
+        if st:
+            lines += ["", f"**Goal** fp8+topk within {GOAL_STORAGE:.0%} of bf16+last_hidden (tau chain 3, mean over "
+                      f"seeds): {st['relative_loss']:+.1%} lower ({'met' if st['met'] else 'missed'}); fp8+topk "
+                      f"{_pm(st['tau3_fp8_topk_seeds'])}, bf16+last_hidden {_pm(st['tau3_bf16_last_hidden_seeds'])}"]
     ind = report["eval"].get("indomain-chain")
     if ind:
         gi = report["goals"]["retrain_gain_indomain"]
