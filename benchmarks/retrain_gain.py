@@ -636,9 +636,10 @@ def run_benchmark(cfg: BenchConfig, work: Path, *, scale: float, threads: int) -
     budget = planned_tokens(human, a.steps, opts, world)[-1]
     drafters = [a]
 
-    def add(name: str, data_path: Path, teacher: str, dtype: str, seed: int, **kw: Any) -> None:
-        # every run gets the step count whose tokens (in its own seed's data order) come closest to A's
-        steps = steps_for_tokens(data_path, budget, with_seed(opts, seed), world, start=a.steps)
+    def add(name: str, data_path: Path, teacher: str, dtype: str, seed: int, multiple: int = 1, **kw: Any) -> None:
+        # every run gets the step count whose tokens (in its own seed's data order) come closest to
+        # ``multiple`` x A's
+        steps = steps_for_tokens(data_path, budget * multiple, with_seed(opts, seed), world, start=a.steps * multiple)
         drafters.append(Drafter(seeded(name, seed), data_path, teacher, dtype, steps=steps, seed=seed, **kw))
 
     retrain_lr = cfg.retrain_lr if cfg.retrain_lr is not None else cfg.lr
@@ -647,9 +648,8 @@ def run_benchmark(cfg: BenchConfig, work: Path, *, scale: float, threads: int) -
             description="retrained: warm start from A, target's replies")
     # how tau grows with the retraining budget (each run its own lr schedule); the longest queued first
     for m in sorted(cfg.budget_multiples, reverse=True):
-        steps = steps_for_tokens(regen["bf16"], budget * m, opts, world, start=a.steps * m)
-        drafters.append(Drafter(f"B-x{m}", regen["bf16"], "topk", "bf16", steps=steps, init_from="(A)",
-                                lr=retrain_lr, description=f"retrained: warm start from A, {m}x A's tokens"))
+        add(f"B-x{m}", regen["bf16"], "topk", "bf16", 0, multiple=m, init_from="(A)", lr=retrain_lr,
+            description=f"retrained: warm start from A, {m}x A's tokens")
     add("C", regen["bf16"], "topk", "bf16", 0, lr=cfg.lr, description="scratch: target's replies")
     for dtype, teacher in variants:
         for seed in range(cfg.seeds):

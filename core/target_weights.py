@@ -18,7 +18,13 @@ from safetensors import safe_open
 
 
 def text_config(config: Any) -> Any:
-    """The decoder's own config: multimodal wrappers (Kimi-K2.5, Llava...) nest it as text_config."""
+    """The decoder's own config: multimodal wrappers (Kimi-K2.5, Llava...) nest it as text_config.
+
+    Takes a transformers config or its config.json as a dict.
+    """
+    if isinstance(config, Mapping):
+        sub = config.get("text_config")
+        return sub if isinstance(sub, Mapping) else config
     get = getattr(config, "get_text_config", None)
     if callable(get):
         sub = get()

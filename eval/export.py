@@ -53,7 +53,7 @@ from core.drafter.serving_format import (
     torch_dtype_of,
 )
 from core.layers import to_engine_layer_ids
-from core.target_weights import weight_key_candidates
+from core.target_weights import text_config, weight_key_candidates
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +194,7 @@ def _target_facts(target: Path | None) -> dict[str, Any]:
     if target is None or not (target / "config.json").is_file():
         return {}
     raw = _read_json(target / "config.json")
-    text = raw["text_config"] if isinstance(raw.get("text_config"), dict) else raw  # Kimi-K2.5 nests it
+    text = text_config(raw)  # Kimi-K2.5 nests it
     return {
         "architecture": (raw.get("architectures") or [None])[0],
         "num_layers": text.get("num_hidden_layers"),

@@ -44,6 +44,7 @@ from core.atomic import atomic_write_text  # noqa: E402
 from core.config import parse_hyphenated
 from core.engines.request import TokenRequest  # noqa: E402
 from core.engines.vllm import EngineError, EngineSettings, VLLMEngine, engine_python  # noqa: E402
+from core.target_weights import text_config  # noqa: E402
 from eval import engine_walk as walk  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -85,8 +86,7 @@ def target_context(target: Path) -> int | None:
         cfg = json.loads((target / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    text = cfg.get("text_config") or cfg
-    ctx = text.get("max_position_embeddings")
+    ctx = text_config(cfg).get("max_position_embeddings")
     return int(ctx) if ctx else None
 
 

@@ -169,9 +169,12 @@ def test_measure_through_the_driver(world, monkeypatch):
     assert "tau online (1 + accepted/drafts)" in online.format_table(res)
 
 
-def test_engine_context_follows_the_target(world):
+def test_engine_context_follows_the_target(world, tmp_path):
     assert online.target_context(world["target"]) == 256
     assert online.target_context(world["root"]) is None  # no config.json
+    (tmp_path / "config.json").write_text('{"architectures": ["KimiK25ForConditionalGeneration"], '
+                                          '"text_config": {"max_position_embeddings": 262144}}')
+    assert online.target_context(tmp_path) == 262144  # a Kimi-K2.5-style wrapper nests the decoder's config
     assert online.engine_context(None, 256, 40) == 256
     assert online.engine_context(None, 8192, 40) == online.DEFAULT_MAX_MODEL_LEN
     assert online.engine_context(None, None, 40) == online.DEFAULT_MAX_MODEL_LEN
