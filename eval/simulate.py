@@ -43,7 +43,6 @@ history, which need not be its ancestors'.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -285,18 +284,19 @@ def _node_step(
     """One midlayer application for tree nodes: Eagle3Drafter's projection and output, the tree's attention.
 
     ids/pos [B, M], hidden [B, M, H]. ``prefix`` = (k0, v0 [B, n_kv, T, hd], visible [B, M, T] bool):
-    the step-0 keys each node sees. ``anc_k``/``anc_v`` [B, M, A, n_kv, hd]: the keys written
-    at the node's slot at earlier depths (all visible; SGLang's draft KV, module docstring). Returns (h2 [B, M, H], own key, own value [B, M, n_kv, hd]).
+    the step-0 keys each node sees. ``anc_k``/``anc_v`` [B, M, A, n_kv, hd / hd_v]: the keys written
+    at the node's slot at earlier depths (all visible; SGLang's draft KV, module docstring). Returns (h2 [B, M, H],
+    own key [B, M, n_kv, hd], own value [B, M, n_kv, hd_v]).
     """
     bsz, m = ids.shape
-    q, k, v = drafter.attention_inputs(ids, hidden, pos)  # q [B, M, n_kv, g, hd], k/v [B, M, n_kv, hd]
+    q, k, v = drafter.attention_inputs(ids, hidden, pos)  # q [B, M, n_kv, g, hd], k [B, M, n_kv, hd], v .. hd_v
     k0, v0, visible = prefix
-    scale = math.sqrt(drafter.config.head_dim)
-    s_pre = torch.einsum("bmkgd,bktd->bmkgt", q, k0) / scale  # [B, M, n_kv, g, T]
+    scale = drafter.midlayer.self_attn.softmax_scale
+    s_pre = torch.einsum("bmkgd,bktd->bmkgt", q, k0) * scale  # [B, M, n_kv, g, T]
     s_pre = s_pre.masked_fill(~visible[:, :, None, None, :], torch.finfo(s_pre.dtype).min)
     keys = torch.cat((anc_k, k[:, :, None]), dim=2)  # [B, M, A+1, n_kv, hd]
     values = torch.cat((anc_v, v[:, :, None]), dim=2)
-    s_anc = torch.einsum("bmkgd,bmakd->bmkga", q, keys) / scale
+    s_anc = torch.einsum("bmkgd,bmakd->bmkga", q, keys) * scale
     probs = torch.softmax(torch.cat((s_pre, s_anc), -1), dim=-1, dtype=torch.float32).to(q.dtype)
     seq = k0.shape[2]
     out = torch.einsum("bmkgt,bktd->bmkgd", probs[..., :seq], v0)
@@ -352,8 +352,8 @@ def simulate_tree(
 
     k0, v0 = step0.cache.keys[0], step0.cache.values[0]
     visible = (torch.arange(seq, device=device)[None, None] <= pos[..., None]) & mask[:, None, :]  # [B, P, T]
-    c = drafter.config
-    nkv, hd = c.num_key_value_heads, c.head_dim
+    attn = drafter.midlayer.self_attn
+    nkv, hd, hv = attn.num_kv_heads, attn.qk_head_dim, attn.v_head_dim
 
     probs = torch.softmax(step0.logits[bidx, pos].float(), -1)  # [B, P, Vd]
     score, did = probs.topk(topk, dim=-1)  # [B, P, k]
@@ -364,7 +364,7 @@ def simulate_tree(
     front_idx = torch.arange(topk, device=device).expand_as(did)
     front_hidden = step0.hidden[bidx, pos][:, :, None].expand(-1, -1, topk, -1)  # [B, P, k, H]
     anc_k = k0.new_zeros((bsz, width, topk, 0, nkv, hd))
-    anc_v = anc_k.clone()
+    anc_v = v0.new_zeros((bsz, width, topk, 0, nkv, hv))
     m = width * topk
 
     def flat(x: torch.Tensor) -> torch.Tensor:  # [B, P, k, ...] -> [B, P*k, ...]
@@ -383,7 +383,7 @@ def simulate_tree(
         )
         h = h.view(bsz, width, topk, -1)
         key = key.view(bsz, width, topk, 1, nkv, hd)
-        val = val.view(bsz, width, topk, 1, nkv, hd)
+        val = val.view(bsz, width, topk, 1, nkv, hv)
         cp, ci = torch.softmax(drafter.compute_logits(h).float(), -1).topk(topk, dim=-1)  # [B, P, k, k]
         exp_score = (front_score[..., None] * cp).reshape(bsz, width, topk * topk)
         exp_tok = drafter.draft_to_target(ci).reshape(bsz, width, topk * topk)

@@ -19,6 +19,20 @@ SERVING_KEYS = frozenset({
 })
 
 
+# The MLA drafter's keys (Eagle3DeepseekV2ForCausalLM), also by hand: the attention's seven weights replace q/k/v/o.
+MLA_SERVING_KEYS = frozenset(SERVING_KEYS - {
+    "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight",
+} | {
+    "midlayer.self_attn.q_a_proj.weight", "midlayer.self_attn.q_a_layernorm.weight", "midlayer.self_attn.q_b_proj.weight",
+    "midlayer.self_attn.kv_a_proj_with_mqa.weight", "midlayer.self_attn.kv_a_layernorm.weight",
+    "midlayer.self_attn.kv_b_proj.weight",
+})
+
+# A small MLA drafter: the latent must be the served 512 + 64, everything else is tiny.
+TINY_MLA = dict(attention="mla", num_key_value_heads=4, head_dim=8 + 64, q_lora_rank=24, kv_lora_rank=512,
+                qk_nope_head_dim=8, qk_rope_head_dim=64, v_head_dim=12)
+
+
 def tiny_config(**overrides) -> DrafterConfig:
     kw = dict(
         hidden_size=32,
@@ -39,9 +53,15 @@ def tiny_config(**overrides) -> DrafterConfig:
     return DrafterConfig(**kw)
 
 
+def tiny_mla_config(**overrides) -> DrafterConfig:
+    return tiny_config(**{**TINY_MLA, **overrides})
+
+
 def tiny_drafter(seed: int = 0, **overrides) -> Eagle3Drafter:
     """Random drafter with non-trivial norm weights and a non-identity draft vocab."""
     torch.manual_seed(seed)
+    if overrides.get("attention") == "mla":
+        overrides = {**TINY_MLA, **overrides}
     cfg = tiny_config(**overrides)
     d = Eagle3Drafter(cfg)
     with torch.no_grad():

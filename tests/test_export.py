@@ -479,7 +479,9 @@ def test_import_deepseek_family_ids_and_missing_target_facts(tmp_path):
 
 @pytest.mark.parametrize(("change", "pattern"), [
     ({"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3"}, "speculators-format"),
-    ({"architectures": ["Eagle3DeepseekV2ForCausalLM"]}, "MLA drafters"),
+    ({"architectures": ["Eagle3DeepseekV2ForCausalLM"]}, "key 'q_lora_rank' is missing"),  # MLA arch, Llama keys
+    ({"kv_lora_rank": 512}, "an MLA size in a LlamaForCausalLMEagle3 config"),
+    ({"model_type": "deepseek_v3"}, "deepseek_mtp"),
     ({"norm_before_fc": True}, "norm_before_fc=true"),
     ({"norm_before_residual": True}, "norm_before_residual=true"),
     ({"num_hidden_layers": 2}, "num_hidden_layers=2"),

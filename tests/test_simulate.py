@@ -24,22 +24,27 @@ def ref_token(drafter, tok: int, hidden: torch.Tensor, pos: int, keys: list, val
     nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
     emb = drafter.embed_tokens.weight[tok]
     x = torch.cat((mid.input_layernorm(emb), mid.hidden_norm(hidden)))
-    q = attn.q_proj(x).view(nh, hd)
-    k = attn.k_proj(x).view(nkv, hd)
-    v = attn.v_proj(x).view(nkv, hd)
-    cos, sin = drafter.rope_cos_sin(torch.tensor([[pos]]), q.dtype)
-    cos, sin = cos[0], sin[0]  # [1, hd]
+    if c.attention == "mla":  # its projection is held against transformers' DeepSeek-V3 (test_mla_drafter)
+        cos, sin = drafter.rope_cos_sin(torch.tensor([[pos]]), x.dtype)
+        q, k, v = (t[0, 0] for t in attn.project(x[None, None], cos, sin))
+        q, scale = q[:, 0], attn.softmax_scale
+    else:
+        q = attn.q_proj(x).view(nh, hd)
+        k = attn.k_proj(x).view(nkv, hd)
+        v = attn.v_proj(x).view(nkv, hd)
+        cos, sin = drafter.rope_cos_sin(torch.tensor([[pos]]), q.dtype)
+        cos, sin = cos[0], sin[0]  # [1, hd]
 
-    def rot(t):
-        half = hd // 2
-        return t * cos + torch.cat((-t[..., half:], t[..., :half]), -1) * sin
+        def rot(t):
+            half = hd // 2
+            return t * cos + torch.cat((-t[..., half:], t[..., :half]), -1) * sin
 
-    q, k = rot(q), rot(k)
+        q, k, scale = rot(q), rot(k), 1 / math.sqrt(hd)
     ks, vs = torch.stack([*keys, k]), torch.stack([*values, v])  # [A, nkv, hd]
     out = []
     for h in range(nh):
         kv = h // (nh // nkv)
-        p = torch.softmax(ks[:, kv] @ q[h] / math.sqrt(hd), 0)
+        p = torch.softmax(ks[:, kv] @ q[h] * scale, 0)
         out.append(p @ vs[:, kv])
     h1 = hidden + attn.o_proj(torch.cat(out))
     return h1 + mid.mlp(mid.post_attention_layernorm(h1)), k, v
@@ -149,10 +154,10 @@ def _path(node):
 # ----------------------------------------------------------------------------- fixtures
 
 
-@pytest.fixture(scope="module")
-def drafter():
+@pytest.fixture(scope="module", params=["gqa", "mla"])
+def drafter(request):
     torch.manual_seed(0)
-    return tiny_drafter(3).eval()
+    return tiny_drafter(3, attention=request.param).eval()
 
 
 @pytest.fixture(scope="module")

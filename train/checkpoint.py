@@ -49,6 +49,7 @@ def check_init_compatible(
     """Refuse an --init-from drafter whose shapes or layer ids disagree with the data (names both values)."""
     problems = [
         f"{name}: {source} has {getattr(init, name)!r}, the data/config needs {getattr(wanted, name)!r}"
+        + (f" (set drafter_attention: {init.attention} to warm-start from it)" if name == "attention" else "")
         for name in dict.fromkeys(fields)
         if getattr(init, name) != getattr(wanted, name)
     ]

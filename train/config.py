@@ -91,6 +91,13 @@ class TrainConfig:
         "keep (the old drafter's vocabulary and lm_head as they are; needs the same draft_vocab_size)",
         choices=("rebuild", "keep"),
     )
+    drafter_attention: str = _f(
+        "gqa",
+        "drafter attention: gqa (Llama-style, served as LlamaForCausalLMEagle3) or mla (DeepSeek multi-head latent "
+        "attention, served as Eagle3DeepseekV2ForCausalLM; sizes from an MLA target such as Kimi-K2.5, else "
+        "DeepSeek-V3's); with init_from it must be the init drafter's kind",
+        choices=("gqa", "mla"),
+    )
     hidden_size: int | None = _f(None, "drafter hidden size (default: the target's)")
     num_attention_heads: int | None = _f(None, "drafter attention heads (default: the target's)")
     num_key_value_heads: int | None = _f(None, "drafter KV heads (default: the target's)")
@@ -98,6 +105,15 @@ class TrainConfig:
     intermediate_size: int | None = _f(None, "drafter MLP size (default: the target's dense MLP size)")
     max_position_embeddings: int | None = _f(None, "drafter max positions (default: the target's)")
     rope_theta: float | None = _f(None, "drafter RoPE base (default: the target's)")
+    q_lora_rank: int | None = _f(None, "MLA drafter: rank of the q down-projection (default: the target's, else 1536)")
+    kv_lora_rank: int | None = _f(
+        None, "MLA drafter: rank of the kv latent (default: the target's, else 512; the engines' MLA kernels serve 512)"
+    )
+    qk_nope_head_dim: int | None = _f(None, "MLA drafter: per-head q/k dims without rope (default: the target's, else 128)")
+    qk_rope_head_dim: int | None = _f(
+        None, "MLA drafter: per-head q/k rope dims, one rope key shared by all heads (default: the target's, else 64)"
+    )
+    v_head_dim: int | None = _f(None, "MLA drafter: per-head value dims (default: the target's, else 128)")
 
     # --- checkpoints, evaluation, logging
     save_every: int = _f(500, "save a checkpoint every N optimizer steps (and always at the end; 0: end only)")
@@ -132,8 +148,28 @@ class TrainConfig:
             raise ConfigError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
         if not 0.0 <= self.warmup_ratio < 1.0:
             raise ConfigError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        self._check_drafter_attention()
         if self.resume not in ("none", "auto") and not Path(self.resume).is_dir():
             raise ConfigError(f"resume={self.resume!r}: expected none, auto or an existing checkpoint folder")
+
+    def _check_drafter_attention(self) -> None:
+        """Sizes of the other attention kind are refused by key, before any process group or model exists."""
+        from core.drafter.config import MLA_FIELDS
+
+        if self.drafter_attention == "gqa":
+            given = [name for name in MLA_FIELDS if getattr(self, name) is not None]
+            if given:
+                raise ConfigError(f"{given[0]}={getattr(self, given[0])} is an MLA size but drafter_attention is gqa; "
+                                  "set drafter_attention: mla, or drop the key")
+        else:
+            given = [name for name in ("num_key_value_heads", "head_dim") if getattr(self, name) is not None]
+            if given:
+                raise ConfigError(f"{given[0]}={getattr(self, given[0])} is a GQA size but drafter_attention is mla "
+                                  f"(an MLA drafter's keys are set by {', '.join(MLA_FIELDS)}); drop the key")
+        for name in MLA_FIELDS:
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name} must be >= 1, got {value}")
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

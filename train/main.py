@@ -97,6 +97,7 @@ def configure_deepspeed(accelerator: Any, cfg: TrainConfig) -> None:
 
 def target_info(manifest: dict, target_path: Path) -> dict[str, Any]:
     """DrafterConfig.from_target's input: sizes from the manifest, heads/MLP/rope from the target config."""
+    from core.drafter.config import MLA_FIELDS
     from core.target_weights import text_config
 
     cfg_file = target_path / "config.json"
@@ -131,6 +132,8 @@ def target_info(manifest: dict, target_path: Path) -> dict[str, Any]:
         "max_position_embeddings": text.get("max_position_embeddings"),
         "hidden_act": text.get("hidden_act"),
         "rope": {k: text[k] for k in ("rope_theta", "rope_scaling", "rope_parameters") if text.get(k) is not None},
+        # an MLA target's latent sizes: what an MLA drafter copies (DeepSeek-V3, Kimi-K2.5)
+        "mla": {k: text[k] for k in MLA_FIELDS if text.get(k) is not None} if text.get("kv_lora_rank") else None,
     }
 
 
@@ -196,7 +199,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     from core.dataset.batch import collate
     from core.dataset.reader import DatasetReader
-    from core.drafter.config import DrafterConfig
+    from core.drafter.config import MLA_FIELDS, DrafterConfig
     from core.drafter.folder import WEIGHTS_NAME, load_drafter_checkpoint, read_record
     from core.drafter.modeling import Eagle3Drafter
     from core.drafter.serving_format import load_serving_weights
@@ -249,10 +252,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     target_path = Path(cfg.target_path or manifest["target"]["path"])
     info = target_info(manifest, target_path)
     names = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
-             "max_position_embeddings", "rope_theta")
+             "max_position_embeddings", "rope_theta", *MLA_FIELDS)
     overrides = {k: getattr(cfg, k) for k in names if getattr(cfg, k) is not None}
     wanted = DrafterConfig.from_target(
-        info, cfg.draft_vocab_size, torch_dtype="bfloat16" if cfg.dtype == "bf16" else "float32", **overrides
+        info, cfg.draft_vocab_size, attention=cfg.drafter_attention,
+        torch_dtype="bfloat16" if cfg.dtype == "bf16" else "float32", **overrides
     )
     ckpt = find_resume_checkpoint(out, cfg.resume)
     init_state = None
@@ -263,7 +267,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         # shapes tied to the data must agree; architecture fields come from the init drafter unless overridden.
         # A rebuilt draft vocabulary takes this run's draft_vocab_size, as a scratch run does.
         rebuild = cfg.warm_start_vocab == "rebuild"
-        fields = ("hidden_size", "target_hidden_size", "vocab_size", *(() if rebuild else ("draft_vocab_size",)),
+        fields = ("attention", "hidden_size", "target_hidden_size", "vocab_size",
+                  *(() if rebuild else ("draft_vocab_size",)),
                   "aux_layer_ids", *[k for k in overrides if k not in ("max_position_embeddings", "rope_theta")])
         check_init_compatible(init_cfg, wanted, cfg.init_from, fields)
         check_init_fingerprint(Path(cfg.init_from), manifest, cfg.data)

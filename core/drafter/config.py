@@ -1,4 +1,10 @@
-"""The drafter's shape and numerics (:class:`DrafterConfig`), stored verbatim in every checkpoint's redraft.json."""
+"""The drafter's shape and numerics (:class:`DrafterConfig`), stored verbatim in every checkpoint's redraft.json.
+
+One drafter, two attention kinds chosen by ``attention`` (as transformers picks an attention class by config):
+``gqa``, the Llama-style layer (``LlamaForCausalLMEagle3``: ``num_key_value_heads``, ``head_dim``), and ``mla``,
+DeepSeek's multi-head latent attention (``Eagle3DeepseekV2ForCausalLM``: ``q_lora_rank``, ``kv_lora_rank``,
+``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``). A config that mixes the two is refused by name.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +17,15 @@ from typing import Any
 from transformers.activations import ACT2FN
 
 log = logging.getLogger(__name__)
+
+ATTENTION_KINDS = ("gqa", "mla")
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+# (kv_lora_rank, qk_rope_head_dim) of every DeepSeek-V2/V3 and Kimi-K2 model, and the only latent the MLA
+# kernels of vLLM CPU, FlashMLA, FlashInfer and CUTLASS take.
+MLA_SERVED_LATENT = (512, 64)
+# MLA sizes for a target that has none of its own (a Llama-style target): DeepSeek-V3's and Kimi-K2.5's.
+DEFAULT_MLA_SIZES = {"q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                     "v_head_dim": 128}
 
 
 @dataclass
@@ -34,6 +49,13 @@ class DrafterConfig:
     max_position_embeddings: int = 2048
     hidden_act: str = "silu"
     torch_dtype: str = "bfloat16"  # what config.json advertises for serving
+    attention: str = "gqa"  # "gqa" (Llama-style) or "mla" (DeepSeek multi-head latent attention)
+    # MLA sizes (attention "mla" only; None for gqa). head_dim is then the q/k head dim (nope + rope).
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
 
     def __post_init__(self) -> None:
         self.aux_layer_ids = [int(i) for i in self.aux_layer_ids]
@@ -41,12 +63,13 @@ class DrafterConfig:
                      "intermediate_size", "vocab_size", "draft_vocab_size", "target_hidden_size"):
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"DrafterConfig.{name} must be positive, got {getattr(self, name)}")
+        self._check_attention_kind()
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"DrafterConfig: num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}"
             )
-        if self.head_dim % 2:
+        if self.attention == "gqa" and self.head_dim % 2:
             raise ValueError(f"DrafterConfig.head_dim must be even for rotate-half RoPE, got {self.head_dim}")
         if self.draft_vocab_size > self.vocab_size:
             raise ValueError(
@@ -64,17 +87,58 @@ class DrafterConfig:
             if rope_type == "default":
                 self.rope_scaling = None
 
+    def _check_attention_kind(self) -> None:
+        """The attention kind's own sizes are set, the other kind's are not (a mixed config is refused by key)."""
+        if self.attention not in ATTENTION_KINDS:
+            raise ValueError(f"DrafterConfig.attention={self.attention!r} is not one of {ATTENTION_KINDS}")
+        if self.attention == "gqa":
+            mixed = [name for name in MLA_FIELDS if getattr(self, name) is not None]
+            if mixed:
+                raise ValueError(f"DrafterConfig.{mixed[0]}={getattr(self, mixed[0])} is an MLA size but attention is "
+                                 "'gqa'; set attention: mla, or drop the MLA keys")
+            return
+        for name in MLA_FIELDS:
+            value = getattr(self, name)
+            if value is None:
+                raise ValueError(f"DrafterConfig.{name} is required with attention 'mla'"
+                                 + (" (SGLang's Eagle3DeepseekV2ForCausalLM refuses a drafter without it)"
+                                    if name == "q_lora_rank" else ""))
+            if int(value) <= 0:
+                raise ValueError(f"DrafterConfig.{name} must be positive, got {value}")
+            setattr(self, name, int(value))
+        if self.num_key_value_heads != self.num_attention_heads:
+            raise ValueError(f"DrafterConfig.num_key_value_heads={self.num_key_value_heads} is a GQA size: with "
+                             f"attention 'mla' every head has its own keys (set it to num_attention_heads="
+                             f"{self.num_attention_heads})")
+        qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+        if self.head_dim != qk:
+            raise ValueError(f"DrafterConfig.head_dim={self.head_dim} is a GQA size: with attention 'mla' it is the q/k "
+                             f"head dim qk_nope_head_dim + qk_rope_head_dim = {qk}")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"DrafterConfig.qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
+        latent = self.kv_lora_rank + self.qk_rope_head_dim
+        if (self.kv_lora_rank, self.qk_rope_head_dim) != MLA_SERVED_LATENT:
+            raise ValueError(
+                f"DrafterConfig.kv_lora_rank={self.kv_lora_rank}, qk_rope_head_dim={self.qk_rope_head_dim}: an MLA "
+                f"latent of {latent} is not served by vLLM CPU's MLA kernel nor by FlashMLA/FlashInfer/CUTLASS MLA, "
+                f"which take only kv_lora_rank {MLA_SERVED_LATENT[0]} + qk_rope_head_dim {MLA_SERVED_LATENT[1]}"
+            )
+
     @property
     def num_aux_layers(self) -> int:
         return len(self.aux_layer_ids)
 
     @classmethod
-    def from_target(cls, info: Mapping[str, Any] | Any, draft_vocab_size: int, **overrides: Any) -> DrafterConfig:
+    def from_target(
+        cls, info: Mapping[str, Any] | Any, draft_vocab_size: int, attention: str = "gqa", **overrides: Any
+    ) -> DrafterConfig:
         """Drafter shaped like the target (SGLang shares the target's embedding, so H must match).
 
         ``info`` is a TargetInfo (dataclass) or a mapping with the same keys. ``rope`` holds
         either ``rope_theta``/``rope_scaling`` (transformers 4 layout) or ``rope_parameters``
-        (transformers 5 layout). ``overrides`` replace any field, e.g. ``rope_scaling=None,
+        (transformers 5 layout). ``attention`` "mla" takes the target's MLA sizes (``mla`` in ``info``:
+        q_lora_rank, kv_lora_rank, qk_nope/rope_head_dim, v_head_dim) or, for a target without MLA,
+        DeepSeek-V3's (:data:`DEFAULT_MLA_SIZES`). ``overrides`` replace any field, e.g. ``rope_scaling=None,
         rope_theta=1e6`` for SpecForge's Kimi-K2.5 drafter.
         """
         if dataclasses.is_dataclass(info) and not isinstance(info, type):
@@ -84,6 +148,8 @@ class DrafterConfig:
                    if info.get(k) is None]
         if missing:
             raise ValueError(f"DrafterConfig.from_target: target info lacks {missing}")
+        if attention not in ATTENTION_KINDS:
+            raise ValueError(f"drafter attention {attention!r} is not one of {ATTENTION_KINDS}")
         theta, scaling = _parse_rope(info.get("rope") or {}, info)
         heads = int(info["num_attention_heads"])
         kw: dict[str, Any] = dict(
@@ -102,13 +168,29 @@ class DrafterConfig:
             rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=int(info.get("max_position_embeddings") or 2048),
+            attention=attention,
         )
         if info.get("hidden_act"):
             kw["hidden_act"] = str(info["hidden_act"])
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(f"DrafterConfig.from_target: unknown overrides {sorted(unknown)}")
-        kw.update(overrides)
+        if attention == "mla":
+            target_mla = dict(info.get("mla") or {})
+            sizes = {name: target_mla.get(name) or DEFAULT_MLA_SIZES[name] for name in MLA_FIELDS}
+            for name in ("num_key_value_heads", "head_dim"):
+                if overrides.get(name) is not None:
+                    raise ValueError(f"{name} is a GQA size; an MLA drafter's keys are set by {', '.join(MLA_FIELDS)}")
+            sizes.update({k: v for k, v in overrides.items() if k in MLA_FIELDS and v is not None})
+            kw.update(sizes, num_key_value_heads=heads if overrides.get("num_attention_heads") is None
+                      else int(overrides["num_attention_heads"]),
+                      head_dim=int(sizes["qk_nope_head_dim"]) + int(sizes["qk_rope_head_dim"]))
+        else:
+            mla_given = [k for k in MLA_FIELDS if overrides.get(k) is not None]
+            if mla_given:
+                raise ValueError(f"{mla_given[0]} is an MLA size but the drafter attention is 'gqa' "
+                                 "(set drafter_attention: mla)")
+        kw.update({k: v for k, v in overrides.items() if v is not None or k not in MLA_FIELDS})
         kw["draft_vocab_size"] = min(int(kw["draft_vocab_size"]), int(kw["vocab_size"]))
         return cls(**kw)
 

@@ -1,12 +1,15 @@
 """The one EAGLE-3 drafter definition; training, evaluation and export all build it from here.
 
 Parameter and buffer names are the serving names (SGLang/vLLM ``LlamaForCausalLMEagle3`` and
-SpecForge's checkpoint layout), so a state dict goes to a checkpoint without renaming:
-``fc``, ``midlayer.{hidden_norm,input_layernorm,post_attention_layernorm}``,
-``midlayer.self_attn.{q,k,v,o}_proj``, ``midlayer.mlp.{gate,up,down}_proj``, ``norm``,
-``lm_head`` and the buffers ``d2t`` (offsets, target id = draft id + d2t[draft id]) and
-``t2d`` (bool mask over the target vocab). ``embed_tokens`` is the target's frozen input
-embedding; serving replaces it with the target's own, so it is never saved.
+``Eagle3DeepseekV2ForCausalLM``, and SpecForge's checkpoint layout), so a state dict goes to a checkpoint
+without renaming: ``fc``, ``midlayer.{hidden_norm,input_layernorm,post_attention_layernorm}``, the
+attention's own weights under ``midlayer.self_attn`` (``{q,k,v,o}_proj`` for attention "gqa";
+``q_a_proj, q_a_layernorm, q_b_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj`` for "mla"),
+``midlayer.mlp.{gate,up,down}_proj``, ``norm``, ``lm_head`` and the buffers ``d2t`` (offsets, target id =
+draft id + d2t[draft id]) and ``t2d`` (bool mask over the target vocab). ``embed_tokens`` is the target's
+frozen input embedding; serving replaces it with the target's own, so it is never saved. The attention
+kind is chosen by ``DrafterConfig.attention`` (one class per kind, as transformers' modeling files do);
+everything around it is the same module.
 
 One step, :meth:`Eagle3Drafter.forward` (the math matches SpecForge 0.2.0 to fp32 rounding, see
 ../shared/tools/README-specforge-reference.md):
@@ -33,6 +36,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from core.drafter.config import DrafterConfig
+from core.drafter.rope import Rope
 from core.drafter.serving_format import EMBED_KEY, canonical_key
 from core.drafter.ttt_attention import ATTENTION_IMPLS, TTTCache, ttt_attention
 from core.drafter.vocab import check_vocab_mapping
@@ -56,16 +60,52 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
-class DrafterAttention(nn.Module):
-    """q/k/v read the 2H-wide [embedding, hidden] concatenation; GQA; RoPE; no biases."""
+class _TTTAttentionLayer(nn.Module):
+    """What both attention kinds share: rotated q/k and v from :meth:`project`, then the TTT attention and o_proj.
 
-    def __init__(self, cfg: DrafterConfig, impl: str = "eager") -> None:
+    ``project`` returns q [B, T, n_kv, groups, qk_head_dim] (grouped by kv head, as repeat_kv does), k
+    [B, T, n_kv, qk_head_dim] and v [B, T, n_kv, v_head_dim], so every attention pattern (the TTT cache
+    here, the tree mask in eval.simulate) shares one projection per kind.
+    """
+
+    num_kv_heads: int
+    qk_head_dim: int
+    v_head_dim: int
+    o_proj: nn.Linear
+
+    def __init__(self, rope: Rope, impl: str) -> None:
         super().__init__()
         if impl not in ATTENTION_IMPLS:
             raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
-        h, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.impl = impl
-        self.num_heads, self.num_kv_heads, self.head_dim = nh, nkv, hd
+        self.rope = rope  # shared with the drafter; not a module (its fp32 tables must not follow .to(dtype))
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.rope.softmax_scale
+
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: TTTCache,
+        attention_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """o_proj(attention) [B, T, H]; this step's keys and values are appended to ``cache``."""
+        q, k, v = self.project(x, cos, sin)
+        return self.o_proj(ttt_attention(q, k, v, cache, attention_mask, self.impl, self.softmax_scale))
+
+
+class LlamaAttention(_TTTAttentionLayer):
+    """attention "gqa": q/k/v read the 2H-wide [embedding, hidden] concatenation; GQA; NeoX RoPE; no biases."""
+
+    def __init__(self, cfg: DrafterConfig, rope: Rope, impl: str = "eager") -> None:
+        super().__init__(rope, impl)
+        h, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads = nh, nkv
+        self.qk_head_dim = self.v_head_dim = hd
         self.q_proj = nn.Linear(2 * h, nh * hd, bias=False)
         self.k_proj = nn.Linear(2 * h, nkv * hd, bias=False)
         self.v_proj = nn.Linear(2 * h, nkv * hd, bias=False)
@@ -74,31 +114,65 @@ class DrafterAttention(nn.Module):
     def project(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Rotated q [B, T, n_kv, groups, hd] and k, v [B, T, n_kv, hd] from x [B, T, 2H].
-
-        ``cos``/``sin`` [B, T, hd] come in fp32 and are cast to the projections' dtype (autocast may
-        make it lower than the input's).
-
-        q is grouped by kv head (head h uses kv head h // groups, as repeat_kv does), so every
-        attention pattern (the TTT cache here, the tree mask in eval.simulate) shares this projection.
-        """
+        """Rotated q, k and v from x [B, T, 2H]; ``cos``/``sin`` [B, T, hd] come in fp32 and are cast to the
+        projections' dtype (autocast may make it lower than the input's)."""
         bsz, seq = x.shape[:2]
-        nkv, hd = self.num_kv_heads, self.head_dim
+        nkv, hd = self.num_kv_heads, self.qk_head_dim
         q = self.q_proj(x).view(bsz, seq, nkv, self.num_heads // nkv, hd)
         k = self.k_proj(x).view(bsz, seq, nkv, hd)
         v = self.v_proj(x).view(bsz, seq, nkv, hd)
         cos_k, sin_k = cos.to(q.dtype)[:, :, None], sin.to(q.dtype)[:, :, None]
-        k = k * cos_k + _rotate_half(k) * sin_k
-        q = q * cos_k[:, :, None] + _rotate_half(q) * sin_k[:, :, None]
+        k = self.rope.apply(k, cos_k, sin_k)
+        q = self.rope.apply(q, cos_k[:, :, None], sin_k[:, :, None])
         return q, k, v
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: TTTCache,
-        attention_mask: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """o_proj(attention) [B, T, H]; this step's keys and values are appended to ``cache``."""
-        q, k, v = self.project(x, cos, sin)
-        return self.o_proj(ttt_attention(q, k, v, cache, attention_mask, self.impl))
+
+class MLAAttention(_TTTAttentionLayer):
+    """attention "mla": DeepSeek's multi-head latent attention over the 2H-wide [embedding, hidden] input.
+
+    As vLLM's ``DeepseekV2MLAAttention`` and SGLang's ``DeepseekV2AttentionMLA`` compute it (weights under
+    their names): ``q = q_b_proj(q_a_layernorm(q_a_proj(x)))`` split per head into a nope and a rope part;
+    ``[c_kv | k_pe] = kv_a_proj_with_mqa(x)``; ``[k_nope | v] = kv_b_proj(kv_a_layernorm(c_kv))`` per head;
+    one rope key ``k_pe`` shared by every head. Rope runs on the rope parts in interleaved pairs. Training
+    uses this expanded form; the engines absorb kv_b_proj into q and o for decoding, the same function.
+    """
+
+    def __init__(self, cfg: DrafterConfig, rope: Rope, impl: str = "eager") -> None:
+        super().__init__(rope, impl)
+        h, nh = cfg.hidden_size, cfg.num_attention_heads
+        self.num_heads = self.num_kv_heads = nh
+        self.nope_dim, self.rope_dim = int(cfg.qk_nope_head_dim), int(cfg.qk_rope_head_dim)
+        self.kv_lora_rank = int(cfg.kv_lora_rank)
+        self.qk_head_dim, self.v_head_dim = self.nope_dim + self.rope_dim, int(cfg.v_head_dim)
+        self.q_a_proj = nn.Linear(2 * h, int(cfg.q_lora_rank), bias=False)
+        self.q_a_layernorm = RMSNorm(int(cfg.q_lora_rank), cfg.rms_norm_eps)
+        self.q_b_proj = nn.Linear(int(cfg.q_lora_rank), nh * self.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(2 * h, self.kv_lora_rank + self.rope_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, nh * (self.nope_dim + self.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(nh * self.v_head_dim, h, bias=False)
+
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [B, T, heads, 1, nope + rope], k [B, T, heads, nope + rope], v [B, T, heads, v_head_dim] from x;
+        ``cos``/``sin`` [B, T, qk_rope_head_dim] in fp32."""
+        bsz, seq = x.shape[:2]
+        nh = self.num_heads
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(bsz, seq, nh, self.qk_head_dim)
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(bsz, seq, nh, self.nope_dim + self.v_head_dim)
+        k_nope, v = kv.split([self.nope_dim, self.v_head_dim], dim=-1)
+        cos_k, sin_k = cos.to(q.dtype)[:, :, None], sin.to(q.dtype)[:, :, None]
+        q_pe = self.rope.apply(q_pe, cos_k, sin_k)
+        k_pe = self.rope.apply(k_pe[:, :, None], cos_k, sin_k).expand(-1, -1, nh, -1)
+        q = torch.cat((q_nope, q_pe), dim=-1)[:, :, :, None]
+        k = torch.cat((k_nope, k_pe), dim=-1)
+        return q, k, v.contiguous()
+
+
+ATTENTION_CLASSES: dict[str, type[_TTTAttentionLayer]] = {"gqa": LlamaAttention, "mla": MLAAttention}
 
 
 class DrafterMLP(nn.Module):
@@ -116,11 +190,11 @@ class DrafterMLP(nn.Module):
 class DrafterLayer(nn.Module):
     """The one decoder layer ("midlayer"): attention over [norm(embedding), norm(hidden)], then the MLP."""
 
-    def __init__(self, cfg: DrafterConfig, attention_impl: str = "eager") -> None:
+    def __init__(self, cfg: DrafterConfig, rope: Rope, attention_impl: str = "eager") -> None:
         super().__init__()
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = DrafterAttention(cfg, attention_impl)
+        self.self_attn = ATTENTION_CLASSES[cfg.attention](cfg, rope, attention_impl)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = DrafterMLP(cfg)
 
@@ -141,41 +215,6 @@ class DrafterLayer(nn.Module):
         return self.feed_forward(h1)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def compute_inv_freq(cfg: DrafterConfig) -> tuple[torch.Tensor, float]:
-    """RoPE inverse frequencies and cos/sin scale, via transformers' ROPE_INIT_FUNCTIONS for scaled types.
-
-    ``dynamic`` is evaluated at its initial length (no NTK growth with the sequence), which
-    is what a fixed-length training run and SGLang's drafter see below max_position_embeddings.
-    """
-    hd = cfg.head_dim
-    if cfg.rope_scaling is None:
-        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
-        return inv, 1.0
-    from transformers import LlamaConfig
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    params = dict(cfg.rope_scaling)
-    rope_type = params.pop("rope_type", None) or params.pop("type")
-    params.pop("type", None)
-    if rope_type not in ROPE_INIT_FUNCTIONS:
-        raise ValueError(f"rope_scaling type {rope_type!r} is not supported; known: {sorted(ROPE_INIT_FUNCTIONS)}")
-    hf_cfg = LlamaConfig(
-        hidden_size=cfg.num_attention_heads * hd,
-        num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads,
-        head_dim=hd,
-        max_position_embeddings=cfg.max_position_embeddings,
-        rope_parameters={"rope_type": rope_type, "rope_theta": cfg.rope_theta, **params},
-    )
-    inv, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_cfg, torch.device("cpu"))
-    return inv.float(), float(scale)
-
-
 class Eagle3Drafter(nn.Module):
     """One-layer EAGLE-3 drafter (Llama-style layer whose attention reads [embedding, hidden])."""
 
@@ -189,7 +228,8 @@ class Eagle3Drafter(nn.Module):
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
         self.fc = nn.Linear(c.num_aux_layers * c.target_hidden_size, c.hidden_size, bias=False)
-        self.midlayer = DrafterLayer(c, attention_impl)
+        self.rope = Rope(c)
+        self.midlayer = DrafterLayer(c, self.rope, attention_impl)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
         # identity mapping until set_vocab_mapping: valid only when Vd == V, which is the point
@@ -197,9 +237,6 @@ class Eagle3Drafter(nn.Module):
         t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
         t2d[: c.draft_vocab_size] = True
         self.register_buffer("t2d", t2d)
-        # Kept out of the buffers on purpose: Module.to(bfloat16) would round the frequencies.
-        self._inv_freq, self._rope_scale = compute_inv_freq(c)
-        self._inv_freq_dev: dict[torch.device, torch.Tensor] = {}
 
     @property
     def attention_impl(self) -> str:
@@ -296,14 +333,8 @@ class Eagle3Drafter(nn.Module):
         return draft_ids + self.d2t[draft_ids]
 
     def rope_cos_sin(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin [B, T, head_dim] for integer positions, computed in fp32 then cast."""
-        dev = position_ids.device
-        inv = self._inv_freq_dev.get(dev)
-        if inv is None:
-            inv = self._inv_freq_dev[dev] = self._inv_freq.to(dev)
-        freqs = position_ids.to(torch.float32)[..., None] * inv
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self._rope_scale).to(dtype), (emb.sin() * self._rope_scale).to(dtype)
+        """cos/sin [B, T, rotated dims] for integer positions, computed in fp32 then cast (core.drafter.rope)."""
+        return self.rope.cos_sin(position_ids, dtype)
 
     def forward(
         self,
@@ -326,12 +357,13 @@ class Eagle3Drafter(nn.Module):
         self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The midlayer up to attention, for attention patterns other than the TTT cache (eval.simulate's
-        tree): rotated q [B, T, n_kv, groups, hd] and k, v [B, T, n_kv, hd]."""
+        tree): rotated q [B, T, n_kv, groups, qk_head_dim], k [B, T, n_kv, qk_head_dim], v [B, T, n_kv, v_head_dim];
+        the softmax scale is ``midlayer.self_attn.softmax_scale``."""
         mid = self.midlayer
         cos, sin = self.rope_cos_sin(position_ids, torch.float32)
         return mid.self_attn.project(mid.attention_input(self.embed_tokens(input_ids), hidden), cos, sin)
 
     def layer_output(self, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        """The midlayer after attention: o_proj, residual, MLP; ``attn_out`` [B, T, heads*hd] -> h2 [B, T, H]."""
+        """The midlayer after attention: o_proj, residual, MLP; ``attn_out`` [B, T, heads*v_head_dim] -> h2 [B, T, H]."""
         mid = self.midlayer
         return mid.feed_forward(hidden + mid.self_attn.o_proj(attn_out))

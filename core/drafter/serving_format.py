@@ -12,8 +12,11 @@ are written in the chosen engine's convention for the target's architecture
 (``core.layers.to_engine_layer_ids``), e.g. a Llama target's ``[1, 14, 26]`` for SGLang is
 ``[2, 15, 27]`` for vLLM, while the DeepSeek/Kimi family is ``[2, 30, 58]`` for both.
 
-Only the SGLang/SpecForge layout is read back (``LlamaForCausalLMEagle3`` with a nested
-``eagle_config``); speculators-format (``Eagle3Speculator``) and MLA drafters are refused by name.
+Each attention kind has its architecture (:data:`SERVING_ARCHS`): ``LlamaForCausalLMEagle3``
+(``model_type`` llama) and the MLA drafter ``Eagle3DeepseekV2ForCausalLM`` (``model_type`` deepseek_v2: vLLM
+rewrites a ``deepseek_v3`` draft config into its MTP model and refuses it for EAGLE-3). Both are read back
+(the SGLang/SpecForge layout with a nested ``eagle_config``, and published eagle3-mla folders);
+speculators-format (``Eagle3Speculator``) configs are refused by name.
 """
 
 from __future__ import annotations
@@ -27,13 +30,19 @@ from typing import Any
 
 import torch
 
-from core.drafter.config import DrafterConfig
+from core.drafter.config import MLA_FIELDS, DrafterConfig
 from core.drafter.vocab import check_vocab_mapping
 from core.layers import ENGINES, default_aux_layer_ids, from_engine_layer_ids, to_engine_layer_ids
 
 log = logging.getLogger(__name__)
 
-SERVING_ARCH = "LlamaForCausalLMEagle3"
+SERVING_ARCHS = {"gqa": "LlamaForCausalLMEagle3", "mla": "Eagle3DeepseekV2ForCausalLM"}
+SERVING_ARCH = SERVING_ARCHS["gqa"]
+# config.json model_type per kind: what both engines' config parsers build the draft config from
+SERVING_MODEL_TYPES = {"gqa": "llama", "mla": "deepseek_v2"}
+# model_types an engine rewrites into something else (vLLM's SpeculativeConfig turns a deepseek_v3 draft into
+# deepseek_mtp / DeepSeekMTPModel and refuses it for EAGLE-3)
+REWRITTEN_MODEL_TYPES = {"deepseek_v3": "vLLM rewrites it into deepseek_mtp (DeepSeekMTPModel) and refuses EAGLE-3"}
 FORMATS = ENGINES  # ("sglang", "vllm"): one serving format per engine
 EMBED_KEY = "embed_tokens.weight"  # the target's embedding: never in a serving checkpoint
 
@@ -72,14 +81,10 @@ def expected_tensors(cfg: DrafterConfig, fmt: str = "sglang", with_embedding: bo
     (vLLM rejects it). ``embed_tokens.weight`` only for a standalone folder (``with_embedding``).
     """
     _check_format(fmt)
-    h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    q_out, kv_out = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    h, inter = cfg.hidden_size, cfg.intermediate_size
     f = "float"
     table = {
-        "midlayer.self_attn.q_proj.weight": TensorSpec((q_out, 2 * h), f),
-        "midlayer.self_attn.k_proj.weight": TensorSpec((kv_out, 2 * h), f),
-        "midlayer.self_attn.v_proj.weight": TensorSpec((kv_out, 2 * h), f),
-        "midlayer.self_attn.o_proj.weight": TensorSpec((h, q_out), f),
+        **_attention_tensors(cfg),
         "midlayer.mlp.gate_proj.weight": TensorSpec((inter, h), f),
         "midlayer.mlp.up_proj.weight": TensorSpec((inter, h), f),
         "midlayer.mlp.down_proj.weight": TensorSpec((h, inter), f),
@@ -95,6 +100,32 @@ def expected_tensors(cfg: DrafterConfig, fmt: str = "sglang", with_embedding: bo
     if with_embedding:
         table[EMBED_KEY] = TensorSpec((cfg.vocab_size, h), f)
     return table
+
+
+def _attention_tensors(cfg: DrafterConfig) -> dict[str, TensorSpec]:
+    """The attention's weights of ``cfg``'s kind; the projections that read the layer input read 2H."""
+    h, nh, f = cfg.hidden_size, cfg.num_attention_heads, "float"
+    attn = "midlayer.self_attn."
+    if cfg.attention == "mla":
+        q_lora, kv_lora = int(cfg.q_lora_rank), int(cfg.kv_lora_rank)
+        qk, rope, nope, v = cfg.head_dim, int(cfg.qk_rope_head_dim), int(cfg.qk_nope_head_dim), int(cfg.v_head_dim)
+        return {
+            attn + "q_a_proj.weight": TensorSpec((q_lora, 2 * h), f),
+            attn + "q_a_layernorm.weight": TensorSpec((q_lora,), f),
+            attn + "q_b_proj.weight": TensorSpec((nh * qk, q_lora), f),
+            attn + "kv_a_proj_with_mqa.weight": TensorSpec((kv_lora + rope, 2 * h), f),
+            attn + "kv_a_layernorm.weight": TensorSpec((kv_lora,), f),
+            attn + "kv_b_proj.weight": TensorSpec((nh * (nope + v), kv_lora), f),
+            attn + "o_proj.weight": TensorSpec((h, nh * v), f),
+        }
+    hd = cfg.head_dim
+    q_out, kv_out = nh * hd, cfg.num_key_value_heads * hd
+    return {
+        attn + "q_proj.weight": TensorSpec((q_out, 2 * h), f),
+        attn + "k_proj.weight": TensorSpec((kv_out, 2 * h), f),
+        attn + "v_proj.weight": TensorSpec((kv_out, 2 * h), f),
+        attn + "o_proj.weight": TensorSpec((h, q_out), f),
+    }
 
 
 def canonical_key(key: str) -> str:
@@ -235,13 +266,14 @@ def serving_config(
     _check_format(engine)
     engine_ids = to_engine_layer_ids(cfg.aux_layer_ids, engine, cfg.target_architecture)
     config: dict[str, Any] = {
-        "architectures": [SERVING_ARCH],
-        "model_type": "llama",
+        "architectures": [SERVING_ARCHS[cfg.attention]],
+        "model_type": SERVING_MODEL_TYPES[cfg.attention],
         "num_hidden_layers": 1,
         "hidden_size": cfg.hidden_size,
         "num_attention_heads": cfg.num_attention_heads,
         "num_key_value_heads": cfg.num_key_value_heads,
         "head_dim": cfg.head_dim,
+        **_mla_fields(cfg),
         "intermediate_size": cfg.intermediate_size,
         "hidden_act": cfg.hidden_act,
         "rms_norm_eps": cfg.rms_norm_eps,
@@ -264,6 +296,15 @@ def serving_config(
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": engine_ids, "use_aux_hidden_state": True},
     }
     return config
+
+
+def _mla_fields(cfg: DrafterConfig) -> dict[str, Any]:
+    """The MLA sizes both engines' MLA layers read (none for gqa). ``rope_interleave`` is written because SGLang
+    rotates in NeoX halves when it is false; DeepSeek's interleaved pairs are what the drafter trains with. No
+    MoE keys: the drafter's MLP is dense, and vLLM's config validation refuses ``n_routed_experts: null``."""
+    if cfg.attention != "mla":
+        return {}
+    return {**{name: getattr(cfg, name) for name in MLA_FIELDS}, "rope_interleave": True}
 
 
 def _rope_from_config(config: Mapping[str, Any]) -> tuple[float, dict | None]:
@@ -306,17 +347,7 @@ def drafter_config_from_serving(
     default ids when the config has none). ``engine`` is the convention the ids were written in.
     """
     _check_format(engine)
-    archs = list(config.get("architectures") or [])
-    if "speculators_model_type" in config or "Eagle3Speculator" in archs:
-        raise ServingFormatError(
-            f"architectures {archs}: a speculators-format config; only the SGLang/SpecForge layout "
-            f"({SERVING_ARCH} with a nested eagle_config) can be imported"
-        )
-    if SERVING_ARCH not in archs:
-        raise ServingFormatError(
-            f"architectures {archs} do not include {SERVING_ARCH} (only the SGLang/SpecForge Llama-layer "
-            "EAGLE-3 layout is supported; MLA drafters such as Eagle3DeepseekV2ForCausalLM are not)"
-        )
+    attention = _attention_kind_of(config)
     layers = int(config.get("num_hidden_layers", 1))
     if layers != 1:
         raise ServingFormatError(f"num_hidden_layers={layers}: only one-layer drafters are supported")
@@ -339,25 +370,69 @@ def drafter_config_from_serving(
             raise ServingFormatError(f"key {key!r} is missing")
     heads = int(config["num_attention_heads"])
     theta, scaling = _rope_from_config(config)
-    return DrafterConfig(
-        hidden_size=int(config["hidden_size"]),
-        num_attention_heads=heads,
-        num_key_value_heads=int(config.get("num_key_value_heads") or heads),
-        head_dim=int(config.get("head_dim") or int(config["hidden_size"]) // heads),
-        intermediate_size=int(config["intermediate_size"]),
-        vocab_size=int(config["vocab_size"]),
-        draft_vocab_size=int(config.get("draft_vocab_size") or config["vocab_size"]),
-        target_hidden_size=int(config.get("target_hidden_size") or config["hidden_size"]),
-        aux_layer_ids=ids,
-        target_num_layers=int(target_num_layers),
-        target_architecture=target_architecture,
-        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
-        hidden_act=str(config.get("hidden_act", "silu")),
-        torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or "bfloat16"),
-    )
+    shape: dict[str, Any]
+    if attention == "mla":
+        missing = [k for k in MLA_FIELDS if config.get(k) is None]
+        if missing:
+            raise ServingFormatError(f"key {missing[0]!r} is missing: an {SERVING_ARCHS['mla']} config needs "
+                                     f"{', '.join(MLA_FIELDS)}")
+        if config.get("rope_interleave") is False:
+            raise ServingFormatError("rope_interleave=false: SGLang would rotate this MLA drafter in NeoX halves, "
+                                     "vLLM in interleaved pairs; redraft's MLA drafter is DeepSeek's interleaved rope")
+        mla = {k: int(config[k]) for k in MLA_FIELDS}
+        shape = dict(num_key_value_heads=heads, head_dim=mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"], **mla)
+    else:
+        shape = dict(num_key_value_heads=int(config.get("num_key_value_heads") or heads),
+                     head_dim=int(config.get("head_dim") or int(config["hidden_size"]) // heads))
+    try:
+        return DrafterConfig(
+            hidden_size=int(config["hidden_size"]),
+            num_attention_heads=heads,
+            intermediate_size=int(config["intermediate_size"]),
+            vocab_size=int(config["vocab_size"]),
+            draft_vocab_size=int(config.get("draft_vocab_size") or config["vocab_size"]),
+            target_hidden_size=int(config.get("target_hidden_size") or config["hidden_size"]),
+            aux_layer_ids=ids,
+            target_num_layers=int(target_num_layers),
+            target_architecture=target_architecture,
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+            hidden_act=str(config.get("hidden_act", "silu")),
+            torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or "bfloat16"),
+            attention=attention,
+            **shape,
+        )
+    except ValueError as e:
+        raise ServingFormatError(str(e)) from e
+
+
+def _attention_kind_of(config: Mapping[str, Any]) -> str:
+    """"gqa" or "mla" from a drafter config.json's architectures; refuses what the engines would misread."""
+    archs = list(config.get("architectures") or [])
+    if "speculators_model_type" in config or "Eagle3Speculator" in archs:
+        raise ServingFormatError(
+            f"architectures {archs}: a speculators-format config; only the SGLang/SpecForge layout "
+            f"({' or '.join(SERVING_ARCHS.values())} with a nested eagle_config) can be imported"
+        )
+    kinds = [kind for kind, arch in SERVING_ARCHS.items() if arch in archs]
+    if len(kinds) != 1:
+        raise ServingFormatError(
+            f"architectures {archs}: expected exactly one of {list(SERVING_ARCHS.values())} (redraft reads the "
+            "SGLang/SpecForge Llama-layer EAGLE-3 layout and the eagle3-mla layout)"
+        )
+    kind = kinds[0]
+    model_type = config.get("model_type")
+    if model_type in REWRITTEN_MODEL_TYPES:
+        raise ServingFormatError(f"model_type={model_type!r}: {REWRITTEN_MODEL_TYPES[model_type]}; an {SERVING_ARCHS[kind]} "
+                                 f"drafter must say model_type {SERVING_MODEL_TYPES[kind]!r}")
+    mla_keys = [k for k in ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim") if config.get(k) is not None]
+    if kind == "gqa" and mla_keys:
+        raise ServingFormatError(f"key {mla_keys[0]!r}: an MLA size in a {SERVING_ARCHS['gqa']} config (the engines "
+                                 "would build a Llama-style attention and ignore it); the MLA drafter is "
+                                 f"{SERVING_ARCHS['mla']}")
+    return kind
 
 
 def torch_dtype_of(name: str) -> torch.dtype:

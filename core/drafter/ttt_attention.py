@@ -21,6 +21,11 @@ import torch.nn.functional as F
 ATTENTION_IMPLS = ("eager", "sdpa")
 
 
+def default_scale(head_dim: int) -> float:
+    """1 / sqrt(head_dim), written as SpecForge and the engines compute it (the reference's exact rounding)."""
+    return 1.0 / math.sqrt(head_dim)
+
+
 @dataclass
 class TTTCache:
     """Keys/values of the steps run so far, unrepeated over GQA groups: [B, n_kv, T, head_dim] each.
@@ -56,22 +61,23 @@ class TTTCache:
 
 def ttt_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: TTTCache, attention_mask: torch.Tensor | None,
-    impl: str = "eager",
+    impl: str = "eager", scale: float | None = None,
 ) -> torch.Tensor:
-    """Append this step's k, v [B, T, n_kv, hd] to ``cache`` and attend with q [B, T, n_kv, g, hd].
+    """Append this step's k [B, T, n_kv, hd], v [B, T, n_kv, hd_v] to ``cache`` and attend with q [B, T, n_kv, g, hd].
 
-    Returns [B, T, heads * hd]. With an empty cache the step attends causally over its own keys
+    Returns [B, T, heads * hd_v]. With an empty cache the step attends causally over its own keys
     (masked by ``attention_mask`` [B, T], 1 = real token); otherwise over the cached first-step keys
-    plus the same-position keys of every later step, this one included.
+    plus the same-position keys of every later step, this one included. ``scale`` multiplies q.k
+    (default ``hd ** -0.5``; MLA's differs, and its values are narrower than its keys).
     """
     bsz, seq = q.shape[:2]
     qh = q.permute(0, 2, 3, 1, 4)  # [B, n_kv, groups, T, hd]
     cache.keys.append(k.transpose(1, 2))  # [B, n_kv, T, hd]
     cache.values.append(v.transpose(1, 2))
     if impl == "sdpa":
-        out = _sdpa_attention(qh, cache, attention_mask)
+        out = _sdpa_attention(qh, cache, attention_mask, scale=scale)
     else:
-        out = _eager_attention(qh, cache, attention_mask)
+        out = _eager_attention(qh, cache, attention_mask, scale=scale)
     return out.permute(0, 3, 1, 2, 4).reshape(bsz, seq, -1)
 
 
@@ -94,16 +100,18 @@ def eager_block_rows(bsz: int, heads: int, seq: int) -> int:
 
 
 def _eager_attention(
-    q: torch.Tensor, cache: TTTCache, attention_mask: torch.Tensor | None, block_rows: int | None = None
+    q: torch.Tensor, cache: TTTCache, attention_mask: torch.Tensor | None, block_rows: int | None = None, *,
+    scale: float | None = None,
 ) -> torch.Tensor:
-    """q [B, n_kv, g, T, hd] -> [B, n_kv, g, T, hd]; causal scores over step-0 keys + diagonal columns.
+    """q [B, n_kv, g, T, hd] -> [B, n_kv, g, T, hd_v]; causal scores over step-0 keys + diagonal columns.
 
     ``block_rows``: query rows per score block (default eager_block_rows).
     """
     bsz, nkv, groups, seq = q.shape[:4]
     rows = block_rows or eager_block_rows(bsz, nkv * groups, seq)
     bias, dead = cache.causal_bias(seq, attention_mask, torch.promote_types(q.dtype, torch.float32), q.device)
-    return _TTTAttention.apply(q, bias, dead, len(cache.keys) - 1, rows, *cache.keys, *cache.values)
+    scale = default_scale(q.shape[-1]) if scale is None else float(scale)
+    return _TTTAttention.apply(q, bias, dead, len(cache.keys) - 1, rows, scale, *cache.keys, *cache.values)
 
 
 def _blocks(seq: int, rows: int) -> list[tuple[int, int]]:
@@ -134,13 +142,14 @@ class _TTTAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, bias, dead, n_diag, block_rows, *kv):  # type: ignore[override]
+    def forward(ctx, q, bias, dead, n_diag, block_rows, scale, *kv):  # type: ignore[override]
         bsz, nkv, groups, seq, hd = q.shape
         keys, values = kv[: n_diag + 1], kv[n_diag + 1:]
+        hv = values[0].shape[-1]
         dt, acc = q.dtype, bias.dtype
-        qs = q * (1.0 / math.sqrt(hd))
+        qs = q * scale
         k0 = keys[0].reshape(bsz * nkv, seq, hd)
-        v0 = values[0].reshape(bsz * nkv, seq, hd)
+        v0 = values[0].reshape(bsz * nkv, seq, hv)
         blocks = _blocks(seq, block_rows)
         outs, lses = [], []
         kept = None
@@ -153,7 +162,7 @@ class _TTTAttention(torch.autograd.Function):
             del s0
             if n_diag:
                 lses.append(m0 - p0.amax(-1).log())  # p0's maximum is exp(m0 - lse0)
-            outs.append(torch.bmm(p0.view(bsz * nkv, groups * n, e).to(dt), v0[:, :e]).view(bsz, nkv, groups, n, hd))
+            outs.append(torch.bmm(p0.view(bsz * nkv, groups * n, e).to(dt), v0[:, :e]).view(bsz, nkv, groups, n, hv))
             if len(blocks) == 1:
                 kept = p0  # one block (at most EAGER_BLOCK_ELEMENTS): keep it rather than recompute it
             del p0
@@ -171,6 +180,7 @@ class _TTTAttention(torch.autograd.Function):
                 out = out + pd[..., j : j + 1].to(dt) * vj[:, :, None]
         ctx.n_diag = n_diag
         ctx.block_rows = block_rows
+        ctx.scale = scale
         ctx.dead = dead if n_diag == 0 else None  # with diagonal keys no row is empty
         ctx.bias = bias
         ctx.kept = kept is not None
@@ -198,7 +208,8 @@ class _TTTAttention(torch.autograd.Function):
         do0 = dout if w0 is None else dout * w0.to(dt)
         rd0 = rowdot if w0 is None else rowdot * w0
         k0 = keys[0].reshape(bsz * nkv, seq, hd)
-        v0 = values[0].reshape(bsz * nkv, seq, hd)
+        hv = values[0].shape[-1]
+        v0 = values[0].reshape(bsz * nkv, seq, hv)
         blocks = _blocks(seq, ctx.block_rows)
         dqs_blocks = []
         dk0 = dv0 = None
@@ -212,7 +223,7 @@ class _TTTAttention(torch.autograd.Function):
                 p0 = torch.softmax(s0.add_(bias[..., a:e, :e]), dim=-1)
                 del s0
             p3 = p0.view(bsz * nkv, groups * n, e)
-            do3 = do0[..., a:e, :].reshape(bsz * nkv, groups * n, hd)
+            do3 = do0[..., a:e, :].reshape(bsz * nkv, groups * n, hv)
             dv = torch.bmm(p3.to(dt).transpose(1, 2), do3)  # [B*n_kv, e, hd], summed over the groups
             dp = torch.bmm(do3, v0[:, :e].transpose(1, 2)).to(acc).view(bsz, nkv, groups, n, e)
             ds = dp.sub_(rd0[..., a:e, :]).mul_(p0)
@@ -235,7 +246,7 @@ class _TTTAttention(torch.autograd.Function):
         dqs = dqs_blocks[0] if len(dqs_blocks) == 1 else torch.cat(dqs_blocks, dim=-2)
         del dqs_blocks
         dkeys = [dk0.view(bsz, nkv, seq, hd)]
-        dvalues = [dv0.view(bsz, nkv, seq, hd)]
+        dvalues = [dv0.view(bsz, nkv, seq, hv)]
         if n_diag:
             dpd = torch.stack([(dout * vj[:, :, None]).sum(-1) for vj in values[1:]], dim=-1).to(acc)
             dsd = pd * (dpd - rowdot)  # [.., T, k]
@@ -244,11 +255,13 @@ class _TTTAttention(torch.autograd.Function):
                 dqs = dqs + w * keys[1 + j][:, :, None]
                 dkeys.append((w * qs).sum(2))
                 dvalues.append((pd[..., j : j + 1].to(dt) * dout).sum(2))
-        dq = dqs * (1.0 / math.sqrt(hd))
-        return (dq, None, None, None, None, *dkeys, *dvalues)
+        dq = dqs * ctx.scale
+        return (dq, None, None, None, None, None, *dkeys, *dvalues)
 
 
-def _sdpa_attention(q: torch.Tensor, cache: TTTCache, attention_mask: torch.Tensor | None) -> torch.Tensor:
+def _sdpa_attention(
+    q: torch.Tensor, cache: TTTCache, attention_mask: torch.Tensor | None, *, scale: float | None = None
+) -> torch.Tensor:
     """Same attention as _eager_attention via F.scaled_dot_product_attention over [k0 | k1 | ... | kk]."""
     bsz, nkv, groups, seq, hd = q.shape
     steps = len(cache.keys)
@@ -263,6 +276,7 @@ def _sdpa_attention(q: torch.Tensor, cache: TTTCache, attention_mask: torch.Tens
     keys = torch.cat(cache.keys, dim=2).repeat_interleave(groups, dim=1)  # [B, heads, steps*T, hd]
     values = torch.cat(cache.values, dim=2).repeat_interleave(groups, dim=1)
     out = F.scaled_dot_product_attention(
-        q.reshape(bsz, nkv * groups, seq, hd), keys, values, attn_mask=allowed[:, None], scale=1.0 / math.sqrt(hd)
+        q.reshape(bsz, nkv * groups, seq, hd), keys, values, attn_mask=allowed[:, None],
+        scale=default_scale(hd) if scale is None else float(scale),
     )
-    return out.view(bsz, nkv, groups, seq, hd)
+    return out.view(bsz, nkv, groups, seq, values.shape[-1])
