@@ -255,7 +255,9 @@ def _readme(fmt: str, source: Path, cfg: DrafterConfig, config: Mapping[str, Any
         f"Exported by `python -m eval.export` from `{source}`.\n\n"
         f"- target: {cfg.target_architecture}, {cfg.target_num_layers} layers, vocab {cfg.vocab_size}, "
         f"context {config['max_position_embeddings']}\n"
-        f"- drafter: hidden {cfg.hidden_size}, draft vocab {cfg.draft_vocab_size}, dtype {config['torch_dtype']}\n"
+        f"- drafter: {config['architectures'][0]} (attention {cfg.attention}), hidden {cfg.hidden_size}, "
+        f"draft vocab {cfg.draft_vocab_size}, dtype {config['torch_dtype']}, "
+        f"{cfg.kv_cache_bytes_per_token()} bytes of draft KV cache per token in bf16\n"
         f"- aux layers: redraft ids {cfg.aux_layer_ids} (output of decoder layer i) = {fmt} config ids {ids}; "
         "the ids are engine-specific, so serve this folder with the engine it was exported for\n"
         f"- provenance: `{REDRAFT_RECORD}`\n\n"
@@ -314,6 +316,19 @@ def _load_source(
     return cfg, state
 
 
+def _warn_about_the_pairing(cfg: DrafterConfig, facts: Mapping[str, Any]) -> None:
+    """vLLM CPU pairs a drafter only with a target of its own attention kind (its MLA and dense attention
+    backends share no KV block size); GPU backends serve either pairing."""
+    config = facts.get("config")
+    if not config:
+        return
+    target_mla = text_config(config).get("kv_lora_rank") is not None
+    if target_mla != (cfg.attention == "mla"):
+        log.warning("a %s drafter on a%s target: GPU engines serve the pair, vLLM CPU refuses it (\"No common block "
+                    "size\": its MLA and dense attention backends share no KV block size)",
+                    cfg.attention, "n MLA" if target_mla else " non-MLA")
+
+
 def export_checkpoint(ecfg: ExportConfig) -> ExportResult:
     """Check, convert and write one drafter folder; nothing is left at OUT when any step fails."""
     if ecfg.format not in FORMATS:
@@ -348,6 +363,7 @@ def export_checkpoint(ecfg: ExportConfig) -> ExportResult:
             "--context-length <= %d or SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1; re-export with "
             "--max-position-embeddings %d", cfg.max_position_embeddings, context, cfg.max_position_embeddings, context)
 
+    _warn_about_the_pairing(cfg, facts)
     state = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in state.items()}
     if ecfg.with_embedding:
         if target is None:

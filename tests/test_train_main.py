@@ -79,6 +79,13 @@ def test_shipped_train_configs_load():
             kimi.intermediate_size, kimi.draft_vocab_size, kimi.lr, kimi.ttt_steps, kimi.max_length,
             kimi.max_position_embeddings, kimi.dtype) == (
         7168, 64, 64, 128, 18432, 32000, 5e-5, 7, 4096, 262144, "bf16")
+    mla = load_config(ROOT / "configs/kimi-k25/train-mla.yaml", ["--data", "d", "--out", "o"])
+    assert (mla.drafter_attention, mla.hidden_size, mla.num_attention_heads, mla.q_lora_rank, mla.kv_lora_rank,
+            mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim, mla.intermediate_size) == (
+        "mla", 7168, 64, 1536, 512, 128, 64, 128, 18432)  # Kimi-K2.5's text config
+    same = [f for f in FIELDS if f not in ("drafter_attention", "num_key_value_heads", "head_dim", "q_lora_rank",
+                                          "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")]
+    assert {f: getattr(mla, f) for f in same} == {f: getattr(kimi, f) for f in same}  # the rest is train.yaml's
 
 
 @pytest.mark.parametrize("how", [["train/main.py"], ["-m", "train.main"]])

@@ -128,6 +128,14 @@ class DrafterConfig:
     def num_aux_layers(self) -> int:
         return len(self.aux_layer_ids)
 
+    def kv_cache_bytes_per_token(self, dtype_bytes: int = 2) -> int:
+        """What one token costs in a serving engine's draft KV cache: K and V per kv head for gqa, the
+        compressed latent plus the shared rope key (``kv_lora_rank + qk_rope_head_dim``) for mla (what vLLM's
+        and SGLang's MLA backends store)."""
+        if self.attention == "mla":
+            return (int(self.kv_lora_rank) + int(self.qk_rope_head_dim)) * dtype_bytes
+        return 2 * self.num_key_value_heads * self.head_dim * dtype_bytes
+
     @classmethod
     def from_target(
         cls, info: Mapping[str, Any] | Any, draft_vocab_size: int, attention: str = "gqa", **overrides: Any

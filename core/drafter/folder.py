@@ -11,6 +11,7 @@ SGLang/SpecForge folders (no ``redraft.json``) are read too, their layer ids int
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -22,6 +23,8 @@ from safetensors.torch import save_file
 from core.atomic import atomic_write_text
 from core.drafter.config import DrafterConfig
 from core.drafter.serving_format import drafter_config_from_serving, load_serving_weights, serving_config
+
+log = logging.getLogger(__name__)
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
@@ -125,6 +128,13 @@ def load_drafter_checkpoint(
         except (KeyError, ValueError) as e:
             raise CheckpointError(f"{cfg_path}: {e}") from e
     try:
-        return cfg, load_serving_weights(weights)
+        state = load_serving_weights(weights)
     except ValueError as e:
         raise CheckpointError(str(e)) from e
+    if record is None and "d2t" not in state and cfg.draft_vocab_size == cfg.vocab_size:
+        # a full-vocab drafter needs no map: both engines then use draft ids as target ids (published Kimi
+        # drafters ship so); the identity map says the same in our layout
+        log.info("%s: no d2t in a full-vocabulary drafter; using the identity map, as the engines do", weights)
+        state["d2t"] = torch.zeros(cfg.vocab_size, dtype=torch.int64)
+        state["t2d"] = torch.ones(cfg.vocab_size, dtype=torch.bool)
+    return cfg, state

@@ -40,9 +40,12 @@ SERVING_ARCHS = {"gqa": "LlamaForCausalLMEagle3", "mla": "Eagle3DeepseekV2ForCau
 SERVING_ARCH = SERVING_ARCHS["gqa"]
 # config.json model_type per kind: what both engines' config parsers build the draft config from
 SERVING_MODEL_TYPES = {"gqa": "llama", "mla": "deepseek_v2"}
-# model_types an engine rewrites into something else (vLLM's SpeculativeConfig turns a deepseek_v3 draft into
-# deepseek_mtp / DeepSeekMTPModel and refuses it for EAGLE-3)
-REWRITTEN_MODEL_TYPES = {"deepseek_v3": "vLLM rewrites it into deepseek_mtp (DeepSeekMTPModel) and refuses EAGLE-3"}
+# model_types an engine rewrites into something else: vLLM's SpeculativeConfig.hf_config_override turns these draft
+# configs into its MTP models (deepseek_v3 -> deepseek_mtp / DeepSeekMTPModel) and refuses them for EAGLE-3
+REWRITTEN_MODEL_TYPES = {
+    name: "vLLM rewrites it into its MTP model (deepseek_v3 -> deepseek_mtp, DeepSeekMTPModel) and refuses EAGLE-3"
+    for name in ("deepseek_v3", "deepseek_v32", "glm_moe_dsa", "deepseek_v4", "deepseek_v41")
+}
 FORMATS = ENGINES  # ("sglang", "vllm"): one serving format per engine
 EMBED_KEY = "embed_tokens.weight"  # the target's embedding: never in a serving checkpoint
 
