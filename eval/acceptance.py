@@ -196,6 +196,7 @@ def evaluate_drafter(
     reasons = torch.zeros(4, dtype=torch.float64)
     tree_reasons = torch.zeros(4, dtype=torch.float64)
     walk_len = {j: walk.WalkStats(j) for j in range(1, k_steps + 1)} if greedy and not tree else {}
+    by_sample_walk: dict[str, dict[str, Any]] = {}  # what the engine counts for each sample's requests
     agree = counted = 0
     tokens = 0
     max_new = settings.max_new_tokens or None
@@ -250,6 +251,9 @@ def evaluate_drafter(
                     walk_len[j] += walk.walk_chain(drafts[r, :length, :j], ids_c[r, :length], argmax_c[r, :length],
                                                    lm_c[r, :length], max_new_tokens=max_new)
                 walk_len[k_steps] += w
+            if w is not None:
+                by_sample_walk[reader.sample_ids[idx]] = {"rounds": w.rounds, "accepted_per_pos": w.accepted_per_pos,
+                                                          "output_tokens": w.output_tokens}
             keys = {"source": reader.sources[idx] or "-", "category": reader.categories[idx] or "-"}
             targets = [total] + [groups[g].setdefault(v, _Group(k_steps)) for g, v in keys.items()]
             t_n, t_sum = 0, 0.0
@@ -266,8 +270,10 @@ def evaluate_drafter(
                         g.walk = walk.WalkStats(k_steps)
                     g.walk += w
     seconds = time.perf_counter() - t0
-    return _summarise(total, groups, reasons, tree_reasons, settings, reader, len(indices), tokens, seconds,
-                      walk_len, agree, counted)
+    out = _summarise(total, groups, reasons, tree_reasons, settings, reader, len(indices), tokens, seconds,
+                     walk_len, agree, counted)
+    out["by_sample_walk"] = by_sample_walk
+    return out
 
 
 def _summarise(total: _Group, groups: dict[str, dict[str, _Group]], reasons: torch.Tensor,

@@ -40,6 +40,26 @@ class Tolerances:
     tau_rel: float = 0.02
     rate_abs: float = 0.02
     min_samples: int = 32
+    exact_per_request: bool = False  # every compared request: the engine's counts = the walk's, per position
+
+
+def compare_requests(by_sample_walk: dict[str, dict[str, Any]], rows: Sequence[dict[str, Any]],
+                     same: Sequence[str]) -> dict[str, Any]:
+    """Per sample (its requests summed): vLLM's drafts and accepted tokens per position against the walk's."""
+    online: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        sid = str(r["id"]).rsplit("#", 1)[0]
+        o = online.setdefault(sid, {"rounds": 0, "accepted_per_pos": [0] * len(r["num_accepted_tokens_per_pos"])})
+        o["rounds"] += int(r["num_drafts"])
+        o["accepted_per_pos"] = [a + int(b) for a, b in zip(o["accepted_per_pos"], r["num_accepted_tokens_per_pos"],
+                                                            strict=True)]
+    mismatched = []
+    for sid in same:
+        off, on = by_sample_walk.get(sid), online.get(sid)
+        if off is None or on is None or off["rounds"] != on["rounds"] or \
+                list(off["accepted_per_pos"]) != list(on["accepted_per_pos"]):
+            mismatched.append({"sample": sid, "offline": off, "online": on})
+    return {"compared": len(same), "equal": len(same) - len(mismatched), "mismatched": mismatched}
 
 
 def compare(off: dict[str, Any], on: dict[str, Any], tol: Tolerances) -> dict[str, Any]:
@@ -72,6 +92,9 @@ def format_comparison(k: int, c: dict[str, Any], same: int, total: int) -> str:
     for i, (a, b, e) in enumerate(zip(c["rate_online"], c["rate_offline"], c["rate_abs_error"], strict=True)):
         rows.append((f"P(accept) draft {i + 1}", f"{a:.3f}", f"{b:.3f}", f"{e:.3f}"))
     rows.append(("verify rounds", str(c["online_drafts"]), str(c["offline_rounds"]), ""))
+    if c.get("per_request"):
+        eq = c["per_request"]
+        rows.append(("samples counted the same, per position", "", f"{eq['equal']} of {eq['compared']}", ""))
     rows.append(("diagnostic: per-position mean tau", "", f"{c['per_position_tau']:.3f}",
                  f"{c['per_position_rel_error']:.2%}"))
     head = ("", "vLLM online", "offline walk", "|diff|")
@@ -125,6 +148,14 @@ def run(ckpt: str, data: str, steps: Sequence[int], tol: Tolerances, *, max_samp
         off = acceptance.evaluate(ckpt, reader, steps=k, indices=same, target=target)
         print(format_table({f"offline K={k}": off}), flush=True)
         c = compare(off, on["same_tokens"], tol)
+        same_ids = [reader.sample_ids[i] for i in same]
+        c["per_request"] = compare_requests(off["by_sample_walk"], on["per_request"], same_ids)
+        eq = c["per_request"]
+        if tol.exact_per_request and eq["mismatched"]:
+            first = eq["mismatched"][0]
+            c["problems"].append(f"{len(eq['mismatched'])} of {eq['compared']} samples counted differently, e.g. "
+                                 f"{first['sample']}: online {first['online']}, offline {first['offline']}")
+            c["ok"] = False
         entry["offline"] = {kk: v for kk, v in off.items() if not kk.startswith("by_")}
         entry["comparison"] = c
         print(format_comparison(k, c, len(same), len(indices)), flush=True)
@@ -146,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fail when fewer samples have engine output = stored answer (default 32)")
     p.add_argument("--tau-tol", type=float, default=0.02, help="relative tau tolerance (default 0.02)")
     p.add_argument("--rate-tol", type=float, default=0.02, help="absolute per-position tolerance (default 0.02)")
+    p.add_argument("--exact-per-request", action="store_true",
+                   help="also fail unless every compared sample's drafts and accepted tokens per position are the "
+                        "engine's exactly")
     p.add_argument("--speed-samples", type=int, default=8, help="requests also run without the drafter (tokens/s)")
     p.add_argument("--engine-python", default=None, help="interpreter with vllm (default: this one if it has vllm, else the vLLM CPU venv)")
     p.add_argument("--target", default=None, help="target folder (default: the manifest's)")
@@ -158,7 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_hyphenated(build_parser(), argv)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    tol = Tolerances(args.tau_tol, args.rate_tol, args.min_samples)
+    tol = Tolerances(args.tau_tol, args.rate_tol, args.min_samples, args.exact_per_request)
     res = run(args.checkpoint, args.data, args.steps or [3], tol, max_samples=args.max_samples,
               speed_samples=args.speed_samples, engine_python=args.engine_python, target=args.target)
     if args.json:

@@ -2,7 +2,8 @@
 
 ``python -m eval.verify_engine OUT --engine sglang`` (or ``python -m eval.export ... --verify-with
 sglang``) builds the engine's own EAGLE-3 draft model (SGLang ``LlamaForCausalLMEagle3`` /
-vLLM ``Eagle3LlamaForCausalLM``) on CPU and runs the engine's own ``load_weights``. Why: SGLang
+vLLM ``Eagle3LlamaForCausalLM``, or for the MLA drafter ``Eagle3DeepseekV2ForCausalLM`` in both) on CPU
+and runs the engine's own ``load_weights``. Why: SGLang
 skips weight names it does not know and leaves the parameter as uninitialised memory, vLLM
 rejects ``model.``-prefixed names, and a missing ``d2t`` makes both use draft ids as target ids;
 none of that raises at serve time. Our own table (``core.drafter.serving_format``) is only as right as
@@ -11,7 +12,9 @@ our reading of the engines, so this runs the engines' code:
 - every parameter is filled with a sentinel (NaN, ``iinfo.min``) before loading; any still holding
   it afterwards was never written (except what the target provides by design: the embedding);
 - each checkpoint key is then loaded alone; a key that writes nothing was ignored (``t2d`` is
-  dropped by both engines by design);
+  dropped by both engines by design). SGLang's MLA drafter fuses ``q_a_proj`` and ``kv_a_proj_with_mqa``
+  and writes neither until both arrived, so each is sent with its partner holding the sentinel: the
+  key's own rows must then be written;
 - the ``d2t`` map the engine took must be one-to-one into ``[0, vocab)``.
 
 No forward pass runs. Engine internals used here are those of sglang 0.5.23 / vllm 0.33.0; a
@@ -46,6 +49,8 @@ log = logging.getLogger(__name__)
 
 ENGINES = ("sglang", "vllm")
 SKIPPED_BY_DESIGN = ("t2d",)  # both loaders drop it; only d2t is used
+# keys a loader takes only together (SGLang kimi_k25_eagle3.py caches one a-projection until the other arrives)
+LOADED_TOGETHER = {"sglang": (("q_a_proj", "kv_a_proj_with_mqa"),)}
 EMBED_PARAM = "model.embed_tokens.weight"
 
 
@@ -210,6 +215,19 @@ class _SGLang:
             initialize_model_parallel(backend="gloo")
             # the rope kernel is chosen by platform at init; its cache is computed, not loaded
             rope_base._is_cpu = True
+            # SGLang's CPU rope factory builds only deepseek_yarn for MLA layers (it asserts a rope_scaling); an
+            # unscaled MLA rope has no weights and is built as the plain rope the Llama layers get here
+            import sglang.srt.models.deepseek_v2 as deepseek_v2
+            from sglang.srt.layers.rotary_embedding.factory import get_rope
+
+            cpu_factory = deepseek_v2.get_rope_wrapper
+
+            def mla_rope(*args: Any, rope_scaling: Any = None, device: Any = None, **kw: Any) -> Any:
+                if rope_scaling is None:
+                    return get_rope(*args, rope_scaling=None, **kw)
+                return cpu_factory(*args, rope_scaling=rope_scaling, device=device, **kw)
+
+            deepseek_v2.get_rope_wrapper = mla_rope
         except Exception as e:  # noqa: BLE001 - any failure here is the environment's, not the checkpoint's
             raise EngineSetupError(f"sglang setup failed: {type(e).__name__}: {e}") from e
         kw = {"context_length": self.context_length} if self.context_length else {}
@@ -387,7 +405,7 @@ def verify_export(folder: str | Path, engine: str, *, context_length: int | None
                 sentinel_fill(model.parameters())
                 eng.reset(model)
                 try:
-                    eng.load(model, [(key, tensor)])
+                    eng.load(model, [(key, tensor), *_partners(engine, key, ckpt)])
                 except Exception as e:  # noqa: BLE001
                     rep.problems.append(f"key {key} rejected: {type(e).__name__}: {e}"[:300])
                     continue
@@ -397,6 +415,23 @@ def verify_export(folder: str | Path, engine: str, *, context_length: int | None
     finally:
         eng.cleanup()
     return rep
+
+
+def _partners(engine: str, key: str, ckpt: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """The keys ``engine`` loads together with ``key`` (LOADED_TOGETHER), each as a sentinel-filled tensor: what
+    they write stays the sentinel, so only ``key``'s own rows count as written."""
+    out = []
+    for group in LOADED_TOGETHER.get(engine, ()):
+        for part in group:
+            if f".{part}." not in key:
+                continue
+            for other in group:
+                name = key.replace(f".{part}.", f".{other}.")
+                if other != part and name in ckpt:
+                    filler = ckpt[name].clone()
+                    sentinel_fill([filler])
+                    out.append((name, filler))
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:

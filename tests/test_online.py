@@ -213,6 +213,18 @@ def _lane(env_extra: dict[str, str]) -> subprocess.CompletedProcess:
                           text=True, timeout=60, check=False)
 
 
+def test_per_request_counts_are_compared_per_sample():
+    rows = [{"id": "a#0", "num_drafts": 3, "num_accepted_tokens_per_pos": [2, 1]},
+            {"id": "a#1", "num_drafts": 1, "num_accepted_tokens_per_pos": [0, 0]},
+            {"id": "b#0", "num_drafts": 4, "num_accepted_tokens_per_pos": [1, 0]}]
+    walk = {"a": {"rounds": 4, "accepted_per_pos": [2, 1]}, "b": {"rounds": 4, "accepted_per_pos": [2, 0]}}
+    eq = et.compare_requests(walk, rows, ["a", "b"])
+    assert (eq["compared"], eq["equal"]) == (2, 1)
+    assert eq["mismatched"] == [{"sample": "b", "offline": walk["b"],
+                                 "online": {"rounds": 4, "accepted_per_pos": [1, 0]}}]
+    assert et.compare_requests(walk, rows, ["a"])["mismatched"] == []
+
+
 def test_lane_skips_only_on_purpose_and_fails_loudly():
     skipped = _lane({"REDRAFT_SKIP_ENGINE_TRUTH": "1"})
     assert skipped.returncode == 0 and "SKIPPED ON PURPOSE" in skipped.stdout
