@@ -28,7 +28,8 @@ _DEEPSEEK_FAMILY = re.compile(r"^(DeepseekV2|DeepseekV3|KimiK2|KimiK25)", re.IGN
 def default_aux_layer_ids(num_layers: int) -> list[int]:
     """Low/middle/high layers: ``[1, L//2 - 1, L - 4]`` (SpecForge's default, same tensors as the engines').
 
-    Tiny test models (3 <= L < 8) get three distinct ascending ids that avoid the last layer when possible.
+    Tiny test models (3 <= L < 8) get three distinct ascending ids that avoid the last layer when possible (and
+    layer 0 from 5 layers on: SGLang's DeepSeek family cannot be told to capture it, see :func:`check_servable`).
     """
     n = int(num_layers)
     if n < 3:
@@ -55,6 +56,16 @@ def validate_aux_layer_ids(ids: Sequence[int], num_layers: int) -> list[int]:
             raise ValueError(f"aux layer id {i} appears twice in {ids}")
         out.append(i)
     return sorted(out)
+
+
+def check_servable(ids: Sequence[int], architecture: str) -> None:
+    """Refuse ids that some engine cannot be configured to capture for ``architecture`` (checked before any work,
+    so an extraction or a training run does not end in an export that cannot be written)."""
+    for engine in ENGINES:
+        try:
+            to_engine_layer_ids(ids, engine, architecture)
+        except ValueError as e:
+            raise ValueError(f"aux layer ids {sorted(ids)}: {e}") from None
 
 
 def serving_family(architecture: str) -> str:

@@ -205,3 +205,16 @@ def test_find_lm_head_without_get_output_embeddings(models):
 def test_find_text_model_error_names_the_class():
     with pytest.raises(ValueError, match="Linear"):
         model_layout.find_text_model(torch.nn.Linear(2, 2))
+
+
+def test_ids_an_engine_cannot_capture_are_refused_before_any_work():
+    """SGLang's deepseek_v2.py shifts ids again when ids[0] == 1, so layer 0's output cannot be asked of it: the
+    extraction (and a drafter config) refuse such ids up front instead of failing at the first checkpoint."""
+    layers.check_servable([0, 1, 2], "LlamaForCausalLM")
+    layers.check_servable([1, 2, 4], "DeepseekV3ForCausalLM")
+    with pytest.raises(ValueError, match=r"aux layer ids \[0, 1, 2\]: .*deepseek_v2.py"):
+        layers.check_servable([0, 1, 2], "KimiK25ForConditionalGeneration")
+    from helpers_drafter import tiny_config
+
+    with pytest.raises(ValueError, match=r"DrafterConfig.aux layer ids \[0, 1, 2\]"):
+        tiny_config(aux_layer_ids=[0, 1, 2], target_architecture="DeepseekV3ForCausalLM")

@@ -16,6 +16,8 @@ from typing import Any
 
 from transformers.activations import ACT2FN
 
+from core.layers import check_servable
+
 log = logging.getLogger(__name__)
 
 ATTENTION_KINDS = ("gqa", "mla")
@@ -77,6 +79,10 @@ class DrafterConfig:
             )
         if not self.aux_layer_ids:
             raise ValueError("DrafterConfig.aux_layer_ids is empty")
+        try:
+            check_servable(self.aux_layer_ids, self.target_architecture)
+        except ValueError as e:
+            raise ValueError(f"DrafterConfig.{e}") from None
         if self.hidden_act not in ACT2FN:
             raise ValueError(f"DrafterConfig.hidden_act={self.hidden_act!r} is not a known activation")
         if self.rope_scaling is not None:

@@ -150,6 +150,7 @@ class HFTarget(TargetBackend):
             raise ValueError(f"config says {num_layers} layers but the model has {len(self.decoder_layers)}")
         ids = layers.default_aux_layer_ids(num_layers) if aux_layer_ids is None else aux_layer_ids
         ids = layers.validate_aux_layer_ids(ids, num_layers)
+        layers.check_servable(ids, (getattr(config, "architectures", None) or [type(self.model).__name__])[0])
 
         disk_keys = weight_file_keys(folder)
         if not disk_keys:
