@@ -44,6 +44,7 @@ from core.drafter.folder import (
     resolve_drafter_folder,
 )
 from core.drafter.modeling import Eagle3Drafter
+from core.drafter.rope import engine_rope_deviations
 from core.drafter.serving_format import (
     EMBED_KEY,
     FORMATS,
@@ -355,6 +356,12 @@ def export_checkpoint(ecfg: ExportConfig) -> ExportResult:
     if ecfg.max_position_embeddings:
         updates["max_position_embeddings"] = int(ecfg.max_position_embeddings)
     cfg = DrafterConfig.from_dict({**cfg.to_dict(), **updates})
+    rope_deviation = engine_rope_deviations(cfg).get(ecfg.format)
+    if rope_deviation:
+        others = [f for f in FORMATS if f != ecfg.format and f not in engine_rope_deviations(cfg)]
+        raise ExportError(f"--format {ecfg.format}: {rope_deviation}. The engine would serve the drafter with another "
+                          "rope than it trained with (a silent fall in acceptance)"
+                          + (f"; --format {others[0]} serves it as trained" if others else ""))
     facts = _target_facts(target)
     context = facts.get("max_position_embeddings")
     if context and int(context) > cfg.max_position_embeddings:

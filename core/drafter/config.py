@@ -28,6 +28,9 @@ MLA_SERVED_LATENT = (512, 64)
 # MLA sizes for a target that has none of its own (a Llama-style target): DeepSeek-V3's and Kimi-K2.5's.
 DEFAULT_MLA_SIZES = {"q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
                      "v_head_dim": 128}
+# rope types whose frequencies depend on a pretraining length, original_max_position_embeddings: transformers'
+# standardize_rope_params (and so vLLM's config) and SGLang's get_rope default it to max_position_embeddings
+ORIGINAL_LENGTH_TYPES = ("yarn", "llama3", "longrope")
 
 
 @dataclass
@@ -92,6 +95,10 @@ class DrafterConfig:
                 raise ValueError(f"DrafterConfig.rope_scaling has no 'rope_type': {self.rope_scaling}")
             if rope_type == "default":
                 self.rope_scaling = None
+            elif rope_type in ORIGINAL_LENGTH_TYPES and "original_max_position_embeddings" not in self.rope_scaling:
+                # What transformers and both engines default it to, pinned now: an export with a longer
+                # max_position_embeddings (the target's context) must not move the YaRN / llama3 frequencies.
+                self.rope_scaling["original_max_position_embeddings"] = int(self.max_position_embeddings)
 
     def _check_attention_kind(self) -> None:
         """The attention kind's own sizes are set, the other kind's are not (a mixed config is refused by key)."""
