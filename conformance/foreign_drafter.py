@@ -30,6 +30,9 @@ LLAMA_ARCH = "LlamaForCausalLMEagle3"
 MLA_ARCH = "Eagle3DeepseekV2ForCausalLM"
 WEIGHTS = "model.safetensors"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# Kimi-K2.x's long-context rope (yarn over a 4096-token original context)
+KIMI_YARN = {"type": "yarn", "rope_type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096,
+             "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
 
 
 @dataclass(frozen=True)
@@ -160,11 +163,34 @@ PRESETS: dict[str, LlamaShape | MlaShape] = {
                                draft_vocab=4096, target_hidden=576, aux_layer_ids=(2, 15, 27), max_positions=8192),
     "mla-tiny": MlaShape(),
     "mla-tiny-direct-q": MlaShape(q_lora_rank=None),
-    # Kimi-K2.5's MLA drafter: a 61-layer target, SGLang/vLLM ids of our [1, 29, 57]
+    # Kimi-K2.5's MLA drafter: a 61-layer target, SGLang/vLLM ids of our [1, 29, 57], the target's yarn rope
     "mla-kimi": MlaShape(hidden=7168, heads=64, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
                          qk_rope_head_dim=64, v_head_dim=128, intermediate=18432, vocab=163840, draft_vocab=32000,
-                         target_hidden=7168, aux_layer_ids=(2, 30, 58), max_positions=262144),
+                         target_hidden=7168, aux_layer_ids=(2, 30, 58), max_positions=262144,
+                         rope_scaling=KIMI_YARN),
 }
+
+
+def kimi_k25_target_config() -> dict[str, Any]:
+    """A Kimi-K2.5-shaped target config.json (the multimodal wrapper around a DeepSeek-V3 text model).
+
+    What vLLM reads from a target to build an EAGLE-3 drafter: vocab, hidden size, layer count,
+    dtype. The MoE and vision numbers only need to be valid; they are Kimi-K2.x's shape, not a copy
+    of any released file.
+    """
+    text = {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2", "vocab_size": 163840,
+        "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+        "num_attention_heads": 64, "num_key_value_heads": 64, "n_routed_experts": 384, "n_shared_experts": 1,
+        "num_experts_per_tok": 8, "first_k_dense_replace": 1, "moe_layer_freq": 1, "n_group": 1, "topk_group": 1,
+        "routed_scaling_factor": 2.827, "scoring_func": "sigmoid", "topk_method": "noaux_tc", "norm_topk_prob": True,
+        "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+        "v_head_dim": 128, "hidden_act": "silu", "rms_norm_eps": 1e-5, "max_position_embeddings": 262144,
+        "rope_theta": 50000.0, "rope_scaling": dict(KIMI_YARN), "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    }
+    return {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25", "text_config": text,
+            "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
 
 
 def vocab_maps(vocab: int, draft_vocab: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,18 +30,18 @@ PY=${PYTHON_FOR_VENV:-python3}
 START=$(date +%s)
 
 say() { echo "[make_venv $MODE $(( $(date +%s) - START ))s] $*"; }
-die() { echo "[make_venv $MODE] ERROR: $*" >&2; exit "${2:-1}"; }
+die() { local code=$1; shift; echo "[make_venv $MODE] ERROR: $*" >&2; exit "$code"; }  # die CODE MESSAGE...
 
 case "$MODE" in
     engine|specforge) ;;
-    *) die "usage: bash conformance/make_venv.sh engine|specforge DIR (got mode '${MODE}')" 2 ;;
+    *) die 2 "usage: bash conformance/make_venv.sh engine|specforge DIR (got mode '${MODE}')" ;;
 esac
-[ -n "$DIR" ] || die "usage: bash conformance/make_venv.sh $MODE DIR (no DIR given)" 2
+[ -n "$DIR" ] || die 2 "usage: bash conformance/make_venv.sh $MODE DIR (no DIR given)"
 LOCK="$HERE/venvs/$MODE.txt"
-[ -f "$LOCK" ] || die "$LOCK: lock file missing" 2
+[ -f "$LOCK" ] || die 2 "$LOCK: lock file missing"
 "$PY" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)' \
-    || die "$PY is Python $("$PY" -c 'import platform; print(platform.python_version())'); both venvs need >= 3.11" \
-           "(specforge 0.2.0 requires it); set PYTHON_FOR_VENV" 2
+    || die 2 "$PY is Python $("$PY" -c 'import platform; print(platform.python_version())'); both venvs need >= 3.11" \
+           "(specforge 0.2.0 requires it); set PYTHON_FOR_VENV"
 
 smoke() {  # the imports each venv exists for
     if [ "$MODE" = engine ]; then
@@ -62,7 +62,7 @@ EOF
 
 find_torch_wheel() {  # the local torch-2.13.0+cpu wheel, or nothing
     if [ -n "${TORCH_WHEEL:-}" ]; then
-        [ -f "$TORCH_WHEEL" ] || die "TORCH_WHEEL=$TORCH_WHEEL: no such file" 2
+        [ -f "$TORCH_WHEEL" ] || die 2 "TORCH_WHEEL=$TORCH_WHEEL: no such file"
         echo "$TORCH_WHEEL"
         return
     fi
@@ -83,22 +83,25 @@ if [ -x "$DIR/bin/python" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$WANT" ]; then
     say "stamp matches but the smoke import failed: reinstalling"
 fi
 
+WHEEL=""
+if [ "$MODE" = specforge ]; then  # before anything is created: no wheel, no venv
+    WHEEL=$(find_torch_wheel)
+    [ -n "$WHEEL" ] || die 2 "no local torch-2.13.0+cpu wheel (set TORCH_WHEEL=/path/to/torch-2.13.0+cpu-...whl);" \
+                           "refusing to install torch from PyPI (a multi-GB CUDA build)"
+fi
 if [ ! -x "$DIR/bin/python" ]; then
     say "creating $DIR with $PY"
-    "$PY" -m venv "$DIR" || die "python3 -m venv $DIR failed"
+    "$PY" -m venv "$DIR" || die 1 "python3 -m venv $DIR failed"
 fi
 PIP=("$DIR/bin/python" -m pip --disable-pip-version-check)
 rm -f "$STAMP"
 
 if [ "$MODE" = specforge ]; then
-    WHEEL=$(find_torch_wheel)
-    [ -n "$WHEEL" ] || die "no local torch-2.13.0+cpu wheel (set TORCH_WHEEL=/path/to/torch-2.13.0+cpu-...whl);" \
-                           "refusing to install torch from PyPI (a multi-GB CUDA build)" 2
     say "torch from $WHEEL"
-    "${PIP[@]}" install --no-deps "$WHEEL" || die "installing $WHEEL failed"
+    "${PIP[@]}" install --no-deps "$WHEEL" || die 1 "installing $WHEEL failed"
 fi
 say "installing $(grep -c '==' "$LOCK") pinned distributions from $(basename "$LOCK") (--no-deps)"
-"${PIP[@]}" install --no-deps -r "$LOCK" || die "pip install --no-deps -r $LOCK failed (registry unreachable, or a pin gone)"
-smoke || die "the venv at $DIR was installed but its smoke import fails (see above)"
+"${PIP[@]}" install --no-deps -r "$LOCK" || die 1 "pip install --no-deps -r $LOCK failed (registry unreachable, or a pin gone)"
+smoke || die 1 "the venv at $DIR was installed but its smoke import fails (see above)"
 echo "$WANT" > "$STAMP"
 say "done: $DIR ($(du -sh "$DIR" 2>/dev/null | cut -f1))"
