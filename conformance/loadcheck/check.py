@@ -34,6 +34,7 @@ from conformance.loadcheck.probe import (
     Span,
     describe_unwritten,
     format_spans,
+    holds_sentinel,
     nonfinite_keys,
     sentinel_fill,
     sentinel_rows,
@@ -142,6 +143,14 @@ def trace_keys(engine: Engine, model: torch.nn.Module, tensors: dict[str, torch.
     """Step 3: each key alone (or with its partners), what it wrote, overlaps, values."""
     params = dict(model.named_parameters())
     shards = engine.shards(model)
+    dirty = set(params)  # parameters that may hold something other than the sentinel
+
+    def fresh() -> None:
+        """Sentinel back into what the last load wrote (the rest still holds it), the engine's state reset."""
+        sentinel_fill(params[n] for n in sorted(dirty))
+        dirty.clear()
+        engine.reset(model)
+
     done: set[str] = set()
     owner: dict[str, list[tuple[Span, str]]] = {}  # parameter -> (rows, key) already claimed
     for key in sorted(tensors):
@@ -154,18 +163,19 @@ def trace_keys(engine: Engine, model: torch.nn.Module, tensors: dict[str, torch.
         partners = engine.partners(key, list(tensors))
         if leaf in SKIPPED_BY_DESIGN:
             use.by_design = SKIPPED_BY_DESIGN[leaf]
-        sentinel_fill(params.values())
-        engine.reset(model)
+        fresh()
         try:
             engine.load_keys(model, [(key, tensors[key])])
             wrote = _written(model)
+            dirty.update(wrote)
             if not wrote and engine.vocab_map(model) is None and partners:
                 group = [key, *partners]
-                sentinel_fill(params.values())
-                engine.reset(model)
+                fresh()
                 engine.load_keys(model, [(k, tensors[k]) for k in group])
                 wrote = _written(model)
+                dirty.update(wrote)
         except Exception as e:  # noqa: BLE001 - a key the loader raises on is a rejected key
+            dirty.update(params)  # a load that raised half-way may have written anything
             use.problem = f"key {key} rejected: {type(e).__name__}: {e}"[:400]
             report.problems.append(use.problem)
             report.lines.append(f"  REJECTED     {key:<48} {tuple(tensors[key].shape)}  {type(e).__name__}: {e}"[:300])
@@ -241,12 +251,14 @@ def run_check(engine: Engine, folder: DrafterFolder, *, verbose: bool = False) -
                 report.problems.append(aborted)
             unwritten = 0
             for name, p in model.named_parameters():
-                left = sentinel_rows(p)
-                if left is None:
+                held = holds_sentinel(p)
+                if held is None:
                     report.warnings.append(f"parameter {name} is {p.dtype}: it cannot hold a sentinel, not verified")
                     continue
-                if int(left.sum()) == 0:
+                if not held:
                     continue
+                left = sentinel_rows(p)
+                assert left is not None
                 why = engine.provided_by_target(name, model) if int(left.sum()) == p.numel() else None
                 if why:
                     report.by_design[name] = why

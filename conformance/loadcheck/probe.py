@@ -8,7 +8,7 @@ before the load; what still holds it afterwards was never written, row by row.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +26,11 @@ class Shard:
     stop: int
 
 
+CHUNK = 1 << 24  # elements per block when scanning: bounds the temporaries for a 1 B-parameter drafter
+_INT_VIEW = {torch.float64: torch.int64, torch.float32: torch.int32, torch.bfloat16: torch.int16,
+             torch.float16: torch.int16}
+
+
 def sentinel_fill(params: Iterable[torch.Tensor]) -> None:
     """NaN into float tensors, ``iinfo.min`` into integer ones; bool tensors cannot hold a sentinel."""
     with torch.no_grad():
@@ -36,35 +41,80 @@ def sentinel_fill(params: Iterable[torch.Tensor]) -> None:
                 p.fill_(torch.iinfo(p.dtype).min)
 
 
-def sentinel_rows(p: torch.Tensor) -> torch.Tensor | None:
-    """Per row (first dim): how many elements still hold the sentinel; None for bool tensors."""
-    if p.dtype == torch.bool:
+def _sentinel_bits(dtype: torch.dtype) -> tuple[torch.dtype, int] | None:
+    """(integer view dtype, bit pattern) of the sentinel ``fill_`` writes, or None (bool, exotic floats)."""
+    if dtype.is_floating_point:
+        view = _INT_VIEW.get(dtype)
+        if view is None:
+            return None
+        return view, int(torch.full((1,), float("nan"), dtype=dtype).view(view)[0])
+    if dtype == torch.bool:
         return None
+    return dtype, torch.iinfo(dtype).min
+
+
+def _as_rows(p: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """``p`` as [rows, -1] in the integer view its sentinel is compared in, and the pattern; None if none."""
+    bits = _sentinel_bits(p.dtype)
+    if bits is None:
+        return None
+    view, pattern = bits
     data = p.detach()
     rows = data.reshape(data.shape[0], -1) if data.dim() else data.reshape(1, 1)
-    hit = torch.isnan(rows) if data.dtype.is_floating_point else rows == torch.iinfo(data.dtype).min
-    return hit.sum(dim=1)
+    if view != rows.dtype:
+        rows = rows.contiguous().view(view)
+    return rows, pattern
+
+
+def _blocks(rows: torch.Tensor) -> Iterator[torch.Tensor]:
+    step = max(1, CHUNK // max(rows.shape[1], 1))
+    for s in range(0, rows.shape[0], step):
+        yield rows[s: s + step]
+
+
+def sentinel_rows(p: torch.Tensor) -> torch.Tensor | None:
+    """Per row (first dim): how many elements still hold the sentinel; None when it cannot hold one.
+
+    Compared bit for bit through an integer view, block by block: no float upcast and no
+    full-size temporaries (a Kimi-sized embedding is 1.2 B elements).
+    """
+    found = _as_rows(p)
+    if found is None:
+        return None
+    rows, pattern = found
+    return torch.cat([(b == pattern).sum(dim=1) for b in _blocks(rows)])
+
+
+def holds_sentinel(p: torch.Tensor) -> bool | None:
+    """Whether any element still holds the sentinel (a quicker test than counting); None if it cannot."""
+    found = _as_rows(p)
+    if found is None:
+        return None
+    rows, pattern = found
+    return any(bool((b == pattern).any()) for b in _blocks(rows))
 
 
 def spans(rows: torch.Tensor) -> list[Span]:
     """Maximal runs of True in a 1-d bool tensor, as [start, stop) pairs."""
-    idx = torch.nonzero(rows).flatten().tolist()
-    out: list[Span] = []
-    for i in idx:
-        if out and out[-1][1] == i:
-            out[-1] = (out[-1][0], i + 1)
-        else:
-            out.append((i, i + 1))
-    return out
+    edges = torch.diff(rows.to(torch.int8), prepend=torch.zeros(1, dtype=torch.int8),
+                       append=torch.zeros(1, dtype=torch.int8))
+    starts = torch.nonzero(edges == 1).flatten().tolist()
+    stops = torch.nonzero(edges == -1).flatten().tolist()
+    return list(zip(starts, stops, strict=True))
 
 
 def written_spans(p: torch.Tensor) -> list[Span] | None:
-    """Rows with at least one element no longer the sentinel; None for bool tensors."""
-    left = sentinel_rows(p)
-    if left is None:
+    """Rows with at least one element no longer the sentinel; None when it cannot hold one.
+
+    A row is all sentinel iff its min and its max (in the integer view) are the pattern: two
+    vectorised reductions, about 1 s for a 1.2 B-element embedding on one core, where counting is 7.
+    """
+    found = _as_rows(p)
+    if found is None:
         return None
-    per_row = p[0].numel() if p.dim() else 1
-    return spans(left < per_row)
+    rows, pattern = found
+    touched = torch.cat([(b.amin(dim=1) != pattern) | (b.amax(dim=1) != pattern) for b in _blocks(rows)])
+    return spans(touched)
 
 
 def format_spans(found: Sequence[Span], rows: int) -> str:
