@@ -4,7 +4,7 @@
         [--target-config TARGET/config.json] [--context-length N] [--json REPORT.json] [--verbose]
 
 Run from the repository root (or with it on PYTHONPATH) by the python of the venv that
-``conformance/make_engine_venv.sh`` builds. Handles both EAGLE-3 drafter architectures:
+``conformance/make_venv.sh engine`` builds. Handles both EAGLE-3 drafter architectures:
 ``LlamaForCausalLMEagle3`` and the MLA drafter ``Eagle3DeepseekV2ForCausalLM``. No forward pass runs.
 For every engine it prints the table (NOT LOADED / IGNORED / REJECTED / USED / SKIPPED / BY DESIGN)
 and one line ``VERDICT <engine> PASS|FAIL|ERROR ...``; ``--engine both`` runs each engine in its own

@@ -47,7 +47,7 @@ class LlamaShape:
     vocab: int = 1000
     draft_vocab: int = 200
     target_hidden: int = 64
-    aux_layer_ids: tuple[int, ...] = (2, 4, 6)  # engine config ids (what config.json carries)
+    aux_layer_ids: tuple[int, ...] = (2, 4, 6)  # config ids as the engine reads them (what config.json carries)
     max_positions: int = 2048
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
@@ -158,12 +158,14 @@ class MlaShape:
 
 PRESETS: dict[str, LlamaShape | MlaShape] = {
     "llama-tiny": LlamaShape(),
-    # the demo drafter's shape (configs/demo/train.yaml on SmolLM2-135M: SGLang ids of our [1, 14, 26])
+    # the demo drafter's shape (configs/demo/train.yaml on SmolLM2-135M) with SGLang's config ids for our
+    # [1, 14, 26]: for a Llama target they are the same numbers (SGLang's llama.py adds the 1 itself)
     "llama-smollm": LlamaShape(hidden=576, heads=9, kv_heads=3, head_dim=64, intermediate=768, vocab=49152,
-                               draft_vocab=4096, target_hidden=576, aux_layer_ids=(2, 15, 27), max_positions=8192),
+                               draft_vocab=4096, target_hidden=576, aux_layer_ids=(1, 14, 26), max_positions=8192),
     "mla-tiny": MlaShape(),
     "mla-tiny-direct-q": MlaShape(q_lora_rank=None),
-    # Kimi-K2.5's MLA drafter: a 61-layer target, SGLang/vLLM ids of our [1, 29, 57], the target's yarn rope
+    # Kimi-K2.5's MLA drafter: a 61-layer target; [2, 30, 58] means our [1, 29, 57] to both engines (SGLang's
+    # deepseek_v2.py takes ids not starting at 1 as given), the target's yarn rope
     "mla-kimi": MlaShape(hidden=7168, heads=64, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
                          qk_rope_head_dim=64, v_head_dim=128, intermediate=18432, vocab=163840, draft_vocab=32000,
                          target_hidden=7168, aux_layer_ids=(2, 30, 58), max_positions=262144,

@@ -81,7 +81,7 @@ class VerifyReport:
         return not self.problems
 
     def verdict(self) -> str:
-        """One line, the same shape as the peer check's: ``VERDICT <engine> PASS|FAIL ...``."""
+        """One line, the same shape as conformance/engine_load.py's: ``VERDICT <engine> PASS|FAIL ...``."""
         if self.ok:
             design = f" ({len(self.by_design)} provided by the target by design)" if self.by_design else ""
             skipped = f" ({', '.join(self.skipped_keys)} skipped by design)" if self.skipped_keys else ""

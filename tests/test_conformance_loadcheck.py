@@ -323,3 +323,13 @@ def test_mla_negative_controls_break_what_they_say(tmp_path):
 def test_check_foreign_needs_the_small_mla_drafter(tmp_path):
     failures, n = ce.check_foreign("python-unused", tmp_path, tmp_path / "logs")
     assert n == 0 and len(failures) == 1 and "no mla-small.json" in failures[0]
+
+
+def test_the_warm_start_drafter_means_the_demo_layers_to_our_importer():
+    """llama-smollm stands for an SGLang-layout drafter of SmolLM2: its config ids must read as the demo's."""
+    from core.drafter.serving_format import drafter_config_from_serving
+
+    cfg = drafter_config_from_serving(fd.PRESETS["llama-smollm"].config(), target_architecture="LlamaForCausalLM",
+                                      target_num_layers=30)
+    assert cfg.aux_layer_ids == [1, 14, 26]
+    assert (cfg.hidden_size, cfg.num_key_value_heads, cfg.draft_vocab_size) == (576, 3, 4096)
