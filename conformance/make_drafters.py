@@ -1,6 +1,7 @@
 """Produce the exported drafters the engine check loads, through the product's own commands.
 
     python -m conformance.make_drafters demo  WORK
+    python -m conformance.make_drafters demo-mla WORK
     python -m conformance.make_drafters kimi  WORK
     python -m conformance.make_drafters warm  WORK
     python -m conformance.make_drafters mla   WORK
@@ -11,6 +12,9 @@ whether each format is loaded by both engines or only by its own (``engines``):
 
 - ``demo``: a real tiny pipeline: 6 chitchat samples through SmolLM2 (no regeneration), 2 training
   steps of configs/demo/train.yaml, export;
+- ``demo-mla``: the same data and 2 steps with ``--drafter-attention mla`` (the sizes of
+  configs/demo/drafter_kinds.yaml: q_lora 576, kv_lora 512, nope 64, rope 64, v 64), exported as
+  ``Eagle3DeepseekV2ForCausalLM``: our own MLA export in both engines;
 - ``kimi``: a drafter with the Kimi-K2.5 shape (hidden 7168, 64/64 heads, intermediate 18432, vocab
   163840, draft vocab 32000, 61-layer target, our ids [1, 29, 57]); random bf16 weights written by
   ``train.checkpoint.write_drafter_folder`` (1.2B parameters: built tensor by tensor in bf16);
@@ -104,6 +108,18 @@ def make_demo(work: Path) -> None:
     export_both(work / "runs" / "demo", work / "exports", "demo", DEMO_CONTEXT)
 
 
+# the demo's MLA drafter sizes (configs/demo/drafter_kinds.yaml): SmolLM2 has no latent sizes of its own;
+# configs/demo/train.yaml's GQA-only keys are unset ("none"), as benchmarks/drafter_kinds.py does
+DEMO_MLA = ["--drafter-attention", "mla", "--q-lora-rank", "576", "--kv-lora-rank", "512", "--qk-nope-head-dim", "64",
+            "--qk-rope-head-dim", "64", "--v-head-dim", "64", "--num-key-value-heads", "none", "--head-dim", "none"]
+
+
+def make_demo_mla(work: Path) -> None:
+    data = make_data(work)
+    train(data, work / "runs" / "demo-mla", steps=2, extra=DEMO_MLA)
+    export_both(work / "runs" / "demo-mla", work / "exports", "demo-mla", DEMO_CONTEXT)
+
+
 def make_warm(work: Path) -> None:
     from conformance.foreign_drafter import PRESETS, write_folder
 
@@ -177,7 +193,7 @@ def make_mla(work: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m conformance.make_drafters", description=__doc__.split("\n\n")[0])
-    p.add_argument("which", choices=("demo", "kimi", "warm", "mla"))
+    p.add_argument("which", choices=("demo", "demo-mla", "kimi", "warm", "mla"))
     p.add_argument("work", type=Path)
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[make_drafters] %(message)s")
@@ -185,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     a.work.mkdir(parents=True, exist_ok=True)
     if a.which == "demo":
         make_demo(a.work)
+    elif a.which == "demo-mla":
+        make_demo_mla(a.work)
     elif a.which == "kimi":
         make_kimi(a.work)
     elif a.which == "mla":

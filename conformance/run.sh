@@ -9,9 +9,9 @@
 #   2. sglang-tests  the tests marked `sglang` (they need the real SGLang package) run with the engine
 #              venv's python (pytest added beside it under $WORK/engine-pytest, the same versions as .venv);
 #              REDRAFT_REQUIRE_SGLANG=1 makes a missing SGLang, or a skip, a failure
-#   3. drafters  demo pipeline (extract 6 samples -> train 2 steps -> export), a Kimi-K2.5-shaped
-#              drafter, one warm-started from an imported SGLang-layout drafter, and MLA drafters in the
-#              engines' layout (small, Kimi-K2.5-sized, q_lora_rank null) (conformance.make_drafters)
+#   3. drafters  demo pipeline (extract 6 samples -> train 2 steps -> export), the same as an MLA drafter,
+#              a Kimi-K2.5-shaped drafter, one warm-started from an imported SGLang-layout drafter, and MLA
+#              drafters in the engines' layout (small, Kimi-K2.5-sized, q_lora_rank null) (conformance.make_drafters)
 #   4. engines   conformance/engine_load.py on every export and MLA drafter + aux-id capture rules +
 #              broken exports and broken MLA drafters refused
 #   5. product   `python -m eval.export --verify-with sglang` inside the engine venv (item 4's path), and the
@@ -117,7 +117,7 @@ phase "3/6 exported drafters ($WORK)"
 # everything but the extracted dataset is redone: training, checkpoint writing and export are under test
 # (the MLA drafters under $WORK/foreign are random weights of a fixed seed: reused when present)
 rm -rf "$WORK/exports" "$WORK/broken" "$WORK/runs" "$WORK/verify" "$WORK/imported-sglang"
-for which in demo warm kimi mla; do
+for which in demo demo-mla warm kimi mla; do
     t0=$(date +%s)
     "$PY" -m conformance.make_drafters "$which" "$WORK"
     echo "  $which: $(( $(date +%s) - t0 )) s"
