@@ -1,16 +1,16 @@
 #!/usr/bin/env python3
 """SpecForge 0.2.0's training step on a benchmark case, timed: the other side of train_throughput.py --specforge.
 
-    SF_VENV/bin/python benchmarks/specforge_train_step.py CASE --shared-tools ../shared/tools \
-        [--threads 2] [--warmup 1] [--repeats 2] [--ttt 7]
+    SF_VENV/bin/python benchmarks/specforge_train_step.py CASE [--threads 2] [--warmup 1] [--repeats 2] [--ttt 7]
 
-Runs in SpecForge's own venv (built by make_specforge_venv.sh; the conformance lane's) and imports
-nothing from redraft. SpecForge is driven as a black box through the peer tool
-``specforge_reference.py`` (its import-time stubs, checkpoint loading and offline data path):
+Runs in SpecForge's own venv (built by ``conformance/make_venv.sh specforge``; the conformance lane's)
+and imports nothing from redraft's product code. SpecForge is driven as a black box through the
+lane's reference ``conformance/specforge_ref.py`` (its import-time stubs, checkpoint loading and
+offline data path):
 the drafter (``LlamaForCausalLMEagle3``, sdpa attention backend), the TTT unroll
 (``OnlineEagle3Model``) and the loss (``Eagle3TrainStrategy.forward_loss``) are SpecForge's. Its
 Triton loss kernel cannot run on a CPU, so it is replaced by SpecForge's own eager reference loss
-(``specforge.core.loss._compute_loss``), as the peer tool does; torch.compile is off.
+(``specforge.core.loss._compute_loss``), as the lane's reference does; torch.compile is off.
 
 One step = ``forward_loss`` + ``backward`` + SpecForge's own optimizer step (``BF16Optimizer``, what
 its trainer always builds: gradient norm and clipping at 0.5, AdamW over fp32 master copies, the
@@ -30,7 +30,6 @@ import json
 import resource
 import sys
 import time
-import types
 from pathlib import Path
 
 
@@ -44,7 +43,6 @@ def _status_kb(key: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("case", type=Path)
-    ap.add_argument("--shared-tools", type=Path, required=True, help="folder of specforge_reference.py")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=2)
@@ -53,11 +51,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-grad-norm", type=float, default=0.5)
     a = ap.parse_args(argv)
 
-    sys.path.insert(0, str(a.shared_tools.resolve()))
-    import specforge_reference as ref  # the peer tool: SpecForge imported with its stubs
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: conformance/
+    import torch
+
+    from conformance import specforge_ref as ref  # first: it turns torch.compile off before torch loads
 
     sf = ref.import_specforge()
-    torch = sf.torch
     torch.set_num_threads(a.threads)
     from safetensors.torch import load_file
 
@@ -66,18 +65,16 @@ def main(argv: list[str] | None = None) -> int:
     vocab = x["embed_weight"].shape[0]
     teacher = torch.full((bsz, seq, vocab), -1e4, dtype=torch.float32)
     teacher.scatter_(-1, x["topk_ids"].long(), x["topk_logprobs"].float())
-    model, _ = ref.load_drafter(sf, str(a.case / "specforge-ckpt"), x["embed_weight"])
+    model = ref.load_drafter(sf, a.case / "specforge-ckpt", x["embed_weight"])
     model.train()
-    inputs = {"input_ids": x["input_ids"], "aux_hidden_states": x["aux_hidden_states"], "loss_mask": x["loss_mask"],
-              "attention_mask": x["attention_mask"], "teacher_logprobs": teacher}
-    feats, target_repr = ref.build_batch(sf, inputs, "raw")
+    inputs = {"input_ids": x["input_ids"].long(), "aux_hidden_states": x["aux_hidden_states"].float(),
+              "loss_mask": x["loss_mask"], "teacher_logprobs": teacher}
+    feats = ref.raw_batch(sf, inputs, x["attention_mask"].long())
     del teacher, inputs
-    sf.eagle3_model_mod.LogSoftmaxLoss = types.SimpleNamespace(apply=sf.sf_loss._compute_loss)
-    eagle = sf.OnlineEagle3Model(draft_model=model, length=a.ttt, attention_backend="sdpa")
-    strategy = sf.Eagle3TrainStrategy(eagle, target_head=ref._TeacherAsLogits(sf))
-    batch = sf.TrainBatch(sample_ids=[f"s{i}" for i in range(bsz)], strategy="eagle3",
-                          tensors={k: v for k, v in feats.items() if v is not None},
-                          metadata={"target_repr": target_repr} if target_repr else {})
+    eagle = sf["OnlineEagle3Model"](model, length=a.ttt, attention_backend="sdpa")
+    strategy = sf["Strategy"](eagle, target_head=ref.identity_head(sf))
+    batch = sf["TrainBatch"](sample_ids=[f"s{i}" for i in range(bsz)], strategy="eagle3", tensors=feats,
+                             metadata={"target_repr": "hidden_state"})
     from specforge.optimizer import BF16Optimizer
 
     optimizer = BF16Optimizer(model, lr=a.lr, max_grad_norm=a.max_grad_norm, total_steps=1000)
@@ -98,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             step_times.append(time.perf_counter() - t0)
             cpu_times.append(time.process_time() - c0)
     print(json.dumps({
-        "side": "specforge", "specforge_version": sf.version, "torch": torch.__version__,
+        "side": "specforge", "specforge_version": sf["version"], "torch": torch.__version__,
         "step_times": step_times, "cpu_times": cpu_times, "losses": losses, "rss_before": rss_before,
         "step_peak": _status_kb("VmHWM") * 1024,
         "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,

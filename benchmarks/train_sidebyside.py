@@ -183,13 +183,12 @@ def run_watched(cmd: list[str], env: dict[str, str], mem_limit: int | None) -> d
 
 def side_commands(case: Path, sides: list[dict[str, Any]], threads: int, warmup: int, repeats: int,
                   ) -> list[list[str]]:
-    """Each side's command line: {"kind": "redraft", "code": DIR|None} or {"kind": "specforge", "python", "tools"}."""
+    """Each side's command line: {"kind": "redraft", "code": DIR|None} or {"kind": "specforge", "python"}."""
     cmds = []
     for side in sides:
         common = ["--threads", str(threads), "--warmup", str(warmup), "--repeats", str(repeats)]
         if side["kind"] == "specforge":
-            cmds.append([side["python"], str(HERE / "specforge_train_step.py"), str(case), "--shared-tools",
-                         str(side["tools"]), *common])
+            cmds.append([side["python"], str(HERE / "specforge_train_step.py"), str(case), *common])
         else:
             code = ["--code", str(side["code"])] if side.get("code") else []
             cmds.append([sys.executable, str(Path(__file__)), "--_ours", str(case), *common, *code])

@@ -418,16 +418,13 @@ def side_by_side(a: argparse.Namespace, shapes: list[Shape]) -> None:
     import train_sidebyside
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so that the running side is stopped too
-    if a.specforge and not (a.shared_tools / "specforge_reference.py").is_file():
-        raise SystemExit(f"--shared-tools {a.shared_tools}: no specforge_reference.py there")
     if a.code and not (a.code / "train" / "ttt.py").is_file():
         raise SystemExit(f"--code {a.code}: not a redraft checkout (no train/ttt.py)")
     sides: list[dict[str, Any]] = [{"name": "redraft", "kind": "redraft"}]
     if a.code:
         sides.append({"name": f"redraft@{a.code.name}", "kind": "redraft", "code": a.code.resolve()})
     if a.specforge:
-        sides.append({"name": "specforge", "kind": "specforge", "python": a.specforge,
-                      "tools": a.shared_tools.resolve()})
+        sides.append({"name": "specforge", "kind": "specforge", "python": a.specforge})
     seqs = [int(x) for x in a.seqs.split(",")] if a.seqs else None
     t_start = time.perf_counter()
     peaks: list[float] = []
@@ -508,12 +505,8 @@ def main() -> None:
     side = ap.add_argument_group("side by side (same weights and inputs, each side in its own process, alternating "
                                  "rounds; replaces the modes above)")
     side.add_argument("--specforge", default=None, metavar="PYTHON",
-                      help="SpecForge 0.2.0's venv python (make_specforge_venv.sh; the conformance lane builds "
+                      help="SpecForge 0.2.0's venv python (conformance/make_venv.sh specforge; the conformance lane builds "
                            "~/.cache/redraft/conformance/specforge): redraft's step next to SpecForge's")
-    side.add_argument("--shared-tools", type=Path,
-                      default=Path(os.environ.get("REDRAFT_SHARED_TOOLS", ROOT.parent / "shared" / "tools")),
-                      help="folder of the peer tool specforge_reference.py (default $REDRAFT_SHARED_TOOLS or "
-                           "../shared/tools)")
     side.add_argument("--code", type=Path, default=None, metavar="DIR",
                       help="another redraft checkout (e.g. `git archive BASE | tar -x -C DIR`): this checkout's "
                            "step next to that one's (before/after)")

@@ -1,19 +1,23 @@
 """Engine loading conformance: our exports in SGLang's and vLLM's real loaders, broken ones refused.
 
-    python -m conformance.check_engines WORK/exports --engine-python ENGINE_VENV/bin/python \
-        --shared-tools ../shared/tools [--work WORK]
+    python -m conformance.check_engines WORK/exports --engine-python ENGINE_VENV/bin/python [--foreign WORK/foreign]
 
 For every ``<name>.json`` in the exports folder (written by ``conformance.make_drafters``):
 
-1. ``engine_load_check.py`` (the peer tool, run by the engine venv's python) loads
-   ``<name>-sglang`` and ``<name>-vllm`` in both engines (or, when the drafter's json says
-   ``"engines": "matching"``, each in its own engine: the Kimi-sized one) and must say PASS;
+1. ``conformance/engine_load.py`` (run by the engine venv's python) loads ``<name>-sglang`` and
+   ``<name>-vllm`` in both engines (or, when the drafter's json says ``"engines": "matching"``, each
+   in its own engine: the Kimi-sized one) and must say PASS;
 2. the aux layer ids in each export's ``config.json`` are pushed through each engine's capture rule,
    implemented HERE independently of ``core.layers`` (serving_engines.md §2, §5), and the
    captured tensors must be the outputs of the layers the drafter was trained on;
 3. negative controls: copies of the demo export with a renamed key, without ``d2t``, and with
    ``model.``-prefixed keys must be refused by our own pre-check (``check_serving_state``) AND by
    the engines (renamed / no d2t: both FAIL; ``model.`` prefix: vLLM FAILs).
+
+Then every ``<name>.json`` in the foreign folder (MLA drafters in the engines' layout, which our
+exporter does not write yet) is loaded in both engines and must get the verdicts it names
+(``expect``), with the target config it names for vLLM; and copies of the small MLA drafter with a
+renamed MLA key and without ``d2t`` must FAIL in both.
 Exit code 0 only when every expectation holds.
 """
 
@@ -56,6 +60,12 @@ BROKEN = (
     ("model-prefix", "vllm", ("vllm",)),
 )
 RENAMED_FROM, RENAMED_TO = "midlayer.mlp.up_proj.weight", "midlayer.mlp.upp_proj.weight"
+# the MLA controls, on the small MLA drafter: kv_a_proj_with_mqa is the key SGLang fuses with q_a_proj
+# (renamed, SGLang silently drops both; vLLM rejects the unknown name), d2t as for the Llama drafters
+MLA_BASE = "mla-small"
+MLA_BROKEN = (("renamed-mla", {"midlayer.self_attn.kv_a_proj_with_mqa.weight": "midlayer.self_attn.kv_a_proj.weight"}),
+              ("no-d2t", None))
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)
@@ -66,7 +76,7 @@ class Verdict:
 
 
 def parse_verdicts(text: str) -> dict[str, Verdict]:
-    """The ``VERDICT <engine> PASS|FAIL|ERROR ...`` lines of the peer check's output, by engine."""
+    """The ``VERDICT <engine> PASS|FAIL|ERROR ...`` lines of the engine check's output, by engine."""
     out: dict[str, Verdict] = {}
     for line in text.splitlines():
         m = VERDICT_RE.match(line.strip())
@@ -131,13 +141,20 @@ def aux_id_problems(export: Path) -> list[str]:
 # ----------------------------------------------------------------------------- broken exports
 
 
-def break_export(good: Path, out: Path, kind: str) -> Path:
-    """A copy of ``good`` with one deliberate defect in model.safetensors (config.json untouched)."""
+def break_export(good: Path, out: Path, kind: str, renames: dict[str, str] | None = None) -> Path:
+    """A copy of ``good`` with one deliberate defect in model.safetensors (config.json untouched).
+
+    ``renamed`` renames ``renames`` (default: the Llama MLP's up_proj); a key that is not there is an
+    error, so a control can never silently break nothing.
+    """
     from safetensors.torch import load_file, save_file
 
     state = load_file(str(good / "model.safetensors"))
-    if kind == "renamed":
-        state[RENAMED_TO] = state.pop(RENAMED_FROM)
+    if kind in ("renamed", "renamed-mla"):
+        for old, new in (renames or {RENAMED_FROM: RENAMED_TO}).items():
+            if old not in state:
+                raise KeyError(f"{good / 'model.safetensors'}: no key {old!r} to rename")
+            state[new] = state.pop(old)
     elif kind == "no-d2t":
         del state["d2t"]
     elif kind == "model-prefix":
@@ -174,18 +191,20 @@ def precheck_problems(folder: Path) -> str | None:
     return None
 
 
-# ----------------------------------------------------------------------------- running the peer check
+# ----------------------------------------------------------------------------- running the engine check
 
 
-def engine_check(python: str, tools: Path, folder: Path, engine: str, context: int | None,
-                 logdir: Path) -> tuple[int, dict[str, Verdict], float]:
-    cmd = [python, str(tools / "engine_load_check.py"), str(folder), "--engine", engine]
+def engine_check(python: str, folder: Path, engine: str, context: int | None, logdir: Path,
+                 target_config: Path | None = None) -> tuple[int, dict[str, Verdict], float]:
+    """``conformance/engine_load.py`` on ``folder`` in the engine venv, from the repository root; its log kept."""
+    cmd = [python, "-m", "conformance.engine_load", str(folder), "--engine", engine]
     if context:
         cmd += ["--context-length", str(context)]
-    shim = str(Path(__file__).resolve().parent / "engine_shim")  # see engine_shim/sitecustomize.py
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (shim, os.environ.get("PYTHONPATH")) if p)}
+    if target_config:
+        cmd += ["--target-config", str(target_config)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     t0 = time.time()
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     took = time.time() - t0
     logdir.mkdir(parents=True, exist_ok=True)
     (logdir / f"{folder.name}.{engine}.log").write_text(proc.stdout)
@@ -195,16 +214,37 @@ def engine_check(python: str, tools: Path, folder: Path, engine: str, context: i
     return proc.returncode, verdicts, took
 
 
+def check_foreign(python: str, foreign: Path, logdir: Path) -> tuple[list[str], int]:
+    """The MLA drafters (each must get the verdicts its json names) and the MLA negative controls."""
+    failures: list[str] = []
+    metas = sorted((json.loads(f.read_text()) for f in foreign.glob("*.json") if f.name != "kimi-k25-target.json"),
+                   key=lambda m: m["name"])
+    for meta in metas:
+        target = foreign / meta["target_config"] if meta.get("target_config") else None
+        rc, verdicts, _ = engine_check(python, foreign / meta["folder"], "both", meta.get("context_length"), logdir,
+                                       target)
+        failures += [f"{meta['name']} ({meta['why']}): {msg}" for msg in expect_verdicts(verdicts, rc, meta["expect"])]
+    names = {m["name"] for m in metas}
+    if MLA_BASE not in names:
+        return [*failures, f"{foreign}: no {MLA_BASE}.json, so the MLA negative controls cannot run"], len(metas)
+    for kind, renames in MLA_BROKEN:
+        bad = break_export(foreign / MLA_BASE, foreign.parent / "broken" / f"{MLA_BASE}-{kind}", kind, renames)
+        rc, verdicts, _ = engine_check(python, bad, "both", None, logdir)
+        failures += [f"{bad.name} (negative control): {msg}"
+                     for msg in expect_verdicts(verdicts, rc, {"sglang": "FAIL", "vllm": "FAIL"})]
+    return failures, len(metas)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m conformance.check_engines", description=__doc__.split("\n\n")[0])
     p.add_argument("exports", type=Path, help="folder written by conformance.make_drafters")
-    p.add_argument("--engine-python", required=True, help="python of the venv built by make_engine_venv.sh")
-    p.add_argument("--shared-tools", type=Path, default=Path(os.environ.get("REDRAFT_SHARED_TOOLS", "../shared/tools")))
+    p.add_argument("--engine-python", required=True, help="python of the venv built by conformance/make_venv.sh engine")
+    p.add_argument("--foreign", type=Path, help="folder of MLA drafters written by `conformance.make_drafters mla`")
     p.add_argument("--engine", default="both", choices=("sglang", "vllm", "both"),
                    help="engines for the good exports (default both)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[check_engines] %(message)s")
-    tools, exports = a.shared_tools.resolve(), a.exports.resolve()
+    exports = a.exports.resolve()
     logdir = exports.parent / "engine-logs"
     engines = ("sglang", "vllm") if a.engine == "both" else (a.engine,)
     failures: list[str] = []
@@ -221,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             want = {e: "PASS" for e in use}
             which = "both" if len(use) == 2 else use[0]
-            rc, verdicts, _ = engine_check(a.engine_python, tools, folder, which, meta.get("context_length"), logdir)
+            rc, verdicts, _ = engine_check(a.engine_python, folder, which, meta.get("context_length"), logdir)
             failures += [f"{folder.name}: {msg}" for msg in expect_verdicts(verdicts, rc, want)]
     # negative controls on the demo drafter (small: seconds per engine)
     base = "demo" if "demo" in names else names[0]
@@ -230,9 +270,13 @@ def main(argv: list[str] | None = None) -> int:
         if precheck_problems(bad) is None:
             failures.append(f"{bad.name}: our own pre-check (check_serving_state) accepted it")
         engine = "both" if len(must_fail) == 2 else must_fail[0]
-        rc, verdicts, _ = engine_check(a.engine_python, tools, bad, engine, None, logdir)
+        rc, verdicts, _ = engine_check(a.engine_python, bad, engine, None, logdir)
         failures += [f"{bad.name} (negative control): {msg}"
                      for msg in expect_verdicts(verdicts, rc, {e: "FAIL" for e in must_fail})]
+    foreign_count = 0
+    if a.foreign is not None:
+        found, foreign_count = check_foreign(a.engine_python, a.foreign.resolve(), logdir)
+        failures += found
     print()
     if failures:
         print("ENGINE CONFORMANCE FAILED:")
@@ -240,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  - {msg}")
         return 1
     print(f"ENGINE CONFORMANCE OK: {len(names)} drafters x 2 formats load whole in {' and '.join(engines)}; "
-          f"aux ids capture the trained layers; {len(BROKEN)} broken exports refused by us and by the engines")
+          f"aux ids capture the trained layers; {len(BROKEN)} broken exports refused by us and by the engines"
+          + (f"; {foreign_count} MLA drafters as expected, {len(MLA_BROKEN)} broken ones refused" if foreign_count else ""))
     return 0
 
 

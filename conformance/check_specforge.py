@@ -1,11 +1,11 @@
 """Numerical conformance with SpecForge 0.2.0: same weights, same inputs, same logits; stated loss differences.
 
-    python -m conformance.check_specforge WORK --sf-python SF_VENV/bin/python --shared-tools ../shared/tools
+    python -m conformance.check_specforge WORK --sf-python SF_VENV/bin/python
 
 For each case (B=2: T=24 unpadded, T=24 with a right-padded sample, T=300 with a right-padded
 sample) a random drafter is written by the product (``train.checkpoint.write_drafter_folder``) and
 random raw inputs (ids, aux features, embedding, loss mask, full-vocab teacher) are written to a
-safetensors file; the peer tool ``specforge_reference.py`` (SpecForge's own code) computes its
+safetensors file; ``conformance/specforge_ref.py`` (SpecForge's own code, in the SpecForge venv) computes its
 step-0 and TTT step logits and losses, and ours are computed by ``train.ttt.ttt_forward`` with the
 teacher built by ``train.ttt.teacher_from_topk`` (k = V). Then:
 
@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger("conformance.check_specforge")
+ROOT = Path(__file__).resolve().parents[1]
 
 K = 7  # SpecForge's default training.ttt_length
 DECAY = 0.8
@@ -115,13 +116,15 @@ def make_inputs(cfg, case: Case, embed: torch.Tensor, t2d: torch.Tensor, seed: i
             "loss_mask": loss_mask, "teacher_logprobs": teacher, "attention_mask": real}
 
 
-def run_reference(sf_python: str, tools: Path, ckpt: Path, inputs: Path, out: Path) -> None:
-    cmd = [sf_python, str(tools / "specforge_reference.py"), str(ckpt), str(inputs), str(out),
+def run_reference(sf_python: str, ckpt: Path, inputs: Path, out: Path) -> None:
+    """conformance/specforge_ref.py (SpecForge's own code) in the SpecForge venv, from the repository root."""
+    cmd = [sf_python, "-m", "conformance.specforge_ref", str(ckpt), str(inputs), str(out),
            "--ttt", str(K), "--save-step-logits", "--threads", "1"]
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     if proc.returncode != 0:
         sys.stdout.write(proc.stdout[-4000:])
-        raise SystemExit(f"specforge_reference.py failed (exit {proc.returncode}) on {ckpt}")
+        raise SystemExit(f"conformance/specforge_ref.py failed (exit {proc.returncode}) on {ckpt}")
 
 
 def specforge_position_mask(loss_mask: torch.Tensor, real: torch.Tensor, target_ids: torch.Tensor,
@@ -154,7 +157,7 @@ def our_position_mask(loss_mask: torch.Tensor, real: torch.Tensor, target_ids: t
     return m
 
 
-def compare_case(case: Case, work: Path, sf_python: str, tools: Path, interop: bool) -> tuple[list[str], list[str]]:
+def compare_case(case: Case, work: Path, sf_python: str, interop: bool) -> tuple[list[str], list[str]]:
     """(problems, observed known-issue ids) of one case."""
     from safetensors.torch import load_file, save_file
 
@@ -181,7 +184,7 @@ def compare_case(case: Case, work: Path, sf_python: str, tools: Path, interop: b
     x = make_inputs(cfg, case, drafter.embed_tokens.weight.detach(), drafter.t2d, seed)
     save_file(x, str(root / "inputs.safetensors"))
     t0 = time.time()
-    run_reference(sf_python, tools, sf_ckpt, root / "inputs.safetensors", root / "reference.safetensors")
+    run_reference(sf_python, sf_ckpt, root / "inputs.safetensors", root / "reference.safetensors")
     ref = load_file(str(root / "reference.safetensors"))
     took_ref = time.time() - t0
 
@@ -257,7 +260,7 @@ def compare_case(case: Case, work: Path, sf_python: str, tools: Path, interop: b
             problems.append(f"{case.name}: total loss under SpecForge's convention {sf_total:.8f} "
                             f"!= ttt_total_loss {ref_total:.8f}")
     if interop:
-        run_reference(sf_python, tools, ours_ckpt, root / "inputs.safetensors", root / "reference-as-exported.safetensors")
+        run_reference(sf_python, ours_ckpt, root / "inputs.safetensors", root / "reference-as-exported.safetensors")
         as_exported = load_file(str(root / "reference-as-exported.safetensors"))
         diff = (as_exported["logits_step0"] - ref["logits_step0"]).abs().max().item()
         if diff > LOGIT_TOL["eager"]:
@@ -289,15 +292,14 @@ def sf_mask_loss_only(loss_mask: torch.Tensor, real: torch.Tensor, k: int) -> to
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m conformance.check_specforge", description=__doc__.split("\n\n")[0])
     p.add_argument("work", type=Path)
-    p.add_argument("--sf-python", required=True, help="python of the venv built by make_specforge_venv.sh")
-    p.add_argument("--shared-tools", type=Path, default=Path(os.environ.get("REDRAFT_SHARED_TOOLS", "../shared/tools")))
+    p.add_argument("--sf-python", required=True, help="python of the venv built by conformance/make_venv.sh specforge")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[check_specforge] %(message)s")
     torch.set_num_threads(1)
     problems: list[str] = []
     observed: set[str] = set()
     for i, case in enumerate(CASES):
-        found, seen = compare_case(case, a.work.resolve(), a.sf_python, a.shared_tools.resolve(), interop=i == 0)
+        found, seen = compare_case(case, a.work.resolve(), a.sf_python, interop=i == 0)
         problems += found
         observed.update(seen)
     for issue in sorted(observed):

@@ -1,8 +1,10 @@
 """Produce the exported drafters the engine check loads, through the product's own commands.
 
-    python -m conformance.make_drafters demo  WORK [--shared-tools DIR]
+    python -m conformance.make_drafters demo  WORK
+    python -m conformance.make_drafters demo-mla WORK
     python -m conformance.make_drafters kimi  WORK
-    python -m conformance.make_drafters warm  WORK --shared-tools DIR
+    python -m conformance.make_drafters warm  WORK
+    python -m conformance.make_drafters mla   WORK
 
 Each writes ``WORK/exports/<name>-{sglang,vllm}`` with ``python -m eval.export`` (the command users
 run) and ``WORK/exports/<name>.json`` naming the context length the engine check should use and
@@ -10,12 +12,23 @@ whether each format is loaded by both engines or only by its own (``engines``):
 
 - ``demo``: a real tiny pipeline: 6 chitchat samples through SmolLM2 (no regeneration), 2 training
   steps of configs/demo/train.yaml, export;
+- ``demo-mla``: the same data and 2 steps with ``--drafter-attention mla`` (the sizes of
+  configs/demo/drafter_kinds.yaml: q_lora 576, kv_lora 512, nope 64, rope 64, v 64), exported as
+  ``Eagle3DeepseekV2ForCausalLM``: our own MLA export in both engines;
 - ``kimi``: a drafter with the Kimi-K2.5 shape (hidden 7168, 64/64 heads, intermediate 18432, vocab
   163840, draft vocab 32000, 61-layer target, our ids [1, 29, 57]); random bf16 weights written by
   ``train.checkpoint.write_drafter_folder`` (1.2B parameters: built tensor by tensor in bf16);
-- ``warm``: an SGLang-layout drafter written by the peer tool make_fake_drafter.py (SmolLM2 demo
-  shape), imported by ``train/main.py --init-from`` for one step, export.
-Reruns reuse finished pieces (the dataset, checkpoints); exports are always redone.
+- ``warm``: an SGLang-layout drafter written by ``conformance.foreign_drafter`` (SmolLM2 demo shape;
+  not through ``core.drafter``: it stands for a drafter made elsewhere), imported by
+  ``train/main.py --init-from`` for one step, export;
+- ``mla``: MLA drafters (``Eagle3DeepseekV2ForCausalLM``) in the engines' layout, which our exporter
+  does not write yet, written by ``conformance.foreign_drafter`` into ``WORK/foreign/<name>`` with
+  ``WORK/foreign/<name>.json`` saying what each engine must answer: a small one (PASS in both), a
+  Kimi-K2.5-sized one (hidden 7168, 64 heads, q_lora 1536, kv_lora 512, draft vocab 32000, vocab
+  163840; about 0.9 B parameters in bf16) checked against a Kimi-K2.5-shaped target config, and one
+  with ``q_lora_rank: null`` (a direct ``q_proj``) that both engines must refuse (they do in
+  SGLang 0.5.23 / vLLM 0.33.0: the day one accepts it, the lane says so).
+Reruns reuse finished pieces (the dataset, checkpoints, foreign folders); exports are always redone.
 """
 
 from __future__ import annotations
@@ -40,10 +53,13 @@ KIMI = dict(hidden_size=7168, num_attention_heads=64, num_key_value_heads=64, he
             intermediate_size=18432, vocab_size=163840, draft_vocab_size=32000, target_hidden_size=7168,
             aux_layer_ids=[1, 29, 57], target_num_layers=61, target_architecture="KimiK25ForConditionalGeneration",
             rope_theta=1e6, max_position_embeddings=KIMI_CONTEXT, torch_dtype="bfloat16")
-# make_fake_drafter.py sized like the demo drafter (configs/demo/train.yaml), SGLang ids of a Llama target
-WARM_FAKE_ARGS = ["--hidden", "576", "--heads", "9", "--kv-heads", "3", "--head-dim", "64", "--intermediate", "768",
-                  "--vocab", "49152", "--draft-vocab", "4096", "--target-hidden", "576",
-                  "--aux-layer-ids", "1", "14", "26", "--max-pos", str(DEMO_CONTEXT), "--dtype", "bfloat16"]
+# the foreign drafters of the engine-loading phase: name -> (preset, expected verdict per engine, why, target)
+MLA_DRAFTERS = {
+    "mla-small": ("mla-tiny", "PASS", "a small random MLA drafter", None),
+    "mla-kimi": ("mla-kimi", "PASS", "Kimi-K2.5-sized MLA drafter", "kimi-k25-target.json"),
+    "mla-direct-q": ("mla-tiny-direct-q", "FAIL", "q_lora_rank null: SGLang's Eagle3 MLA layer requires q_lora_rank, "
+                     "vLLM's stacked mapper sends kv_a_proj_with_mqa to a fused_qkv_a_proj that does not exist", None),
+}
 
 
 def run(cmd: list[str]) -> None:
@@ -92,11 +108,26 @@ def make_demo(work: Path) -> None:
     export_both(work / "runs" / "demo", work / "exports", "demo", DEMO_CONTEXT)
 
 
-def make_warm(work: Path, shared_tools: Path) -> None:
+# the demo's MLA drafter sizes (configs/demo/drafter_kinds.yaml): SmolLM2 has no latent sizes of its own;
+# configs/demo/train.yaml's GQA-only keys are unset ("none"), as benchmarks/drafter_kinds.py does
+DEMO_MLA = ["--drafter-attention", "mla", "--q-lora-rank", "576", "--kv-lora-rank", "512", "--qk-nope-head-dim", "64",
+            "--qk-rope-head-dim", "64", "--v-head-dim", "64", "--num-key-value-heads", "none", "--head-dim", "none"]
+
+
+def make_demo_mla(work: Path) -> None:
+    data = make_data(work)
+    train(data, work / "runs" / "demo-mla", steps=2, extra=DEMO_MLA)
+    export_both(work / "runs" / "demo-mla", work / "exports", "demo-mla", DEMO_CONTEXT)
+
+
+def make_warm(work: Path) -> None:
+    from conformance.foreign_drafter import PRESETS, write_folder
+
     data = make_data(work)
     fake = work / "imported-sglang"
     if not (fake / "model.safetensors").is_file():
-        run([sys.executable, str(shared_tools / "make_fake_drafter.py"), str(fake), *WARM_FAKE_ARGS])
+        write_folder(fake, PRESETS["llama-smollm"], seed=1)
+        log.info("wrote the SGLang-layout drafter %s", fake)
     train(data, work / "runs" / "warm", steps=1, extra=["--init-from", str(fake)])
     export_both(work / "runs" / "warm", work / "exports", "warm", DEMO_CONTEXT)
 
@@ -142,21 +173,42 @@ def make_kimi(work: Path) -> None:
                 engines="matching")
 
 
+def make_mla(work: Path) -> None:
+    """The MLA drafters (and the Kimi-K2.5-shaped target config) with what each engine must say."""
+    from conformance.foreign_drafter import PRESETS, kimi_k25_target_config, write_folder
+
+    root = work / "foreign"
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "kimi-k25-target.json").write_text(json.dumps(kimi_k25_target_config(), indent=1) + "\n")
+    for name, (preset, verdict, why, target) in MLA_DRAFTERS.items():
+        folder = root / name
+        if not (folder / "model.safetensors").is_file():
+            t0 = time.time()
+            write_folder(folder, PRESETS[preset], seed=2)
+            log.info("wrote %s (%s) in %.1f s", folder, preset, time.time() - t0)
+        meta = {"name": name, "folder": name, "expect": {"sglang": verdict, "vllm": verdict}, "why": why,
+                "target_config": target, "context_length": None}
+        (root / f"{name}.json").write_text(json.dumps(meta) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m conformance.make_drafters", description=__doc__.split("\n\n")[0])
-    p.add_argument("which", choices=("demo", "kimi", "warm"))
+    p.add_argument("which", choices=("demo", "demo-mla", "kimi", "warm", "mla"))
     p.add_argument("work", type=Path)
-    p.add_argument("--shared-tools", type=Path, default=Path(os.environ.get("REDRAFT_SHARED_TOOLS", "../shared/tools")))
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[make_drafters] %(message)s")
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     a.work.mkdir(parents=True, exist_ok=True)
     if a.which == "demo":
         make_demo(a.work)
+    elif a.which == "demo-mla":
+        make_demo_mla(a.work)
     elif a.which == "kimi":
         make_kimi(a.work)
+    elif a.which == "mla":
+        make_mla(a.work)
     else:
-        make_warm(a.work, a.shared_tools.resolve())
+        make_warm(a.work)
     return 0
 
 

@@ -3,24 +3,26 @@
 #
 #   bash conformance/run.sh                # venvs under $CONFORMANCE_VENVS, work under $CONFORMANCE_WORK
 #
+# Everything it runs is in this repository: a clean clone needs nothing beside it.
 # Phases (wall time printed for each):
-#   1. venvs   ../shared/tools/make_engine_venv.sh and make_specforge_venv.sh (idempotent)
+#   1. venvs   conformance/make_venv.sh engine and specforge (exact --no-deps locks in conformance/venvs/; idempotent)
 #   2. sglang-tests  the tests marked `sglang` (they need the real SGLang package) run with the engine
 #              venv's python (pytest added beside it under $WORK/engine-pytest, the same versions as .venv);
 #              REDRAFT_REQUIRE_SGLANG=1 makes a missing SGLang, or a skip, a failure
-#   3. drafters  demo pipeline (extract 6 samples -> train 2 steps -> export), a Kimi-K2.5-shaped
-#              drafter, one warm-started from an imported SGLang-layout drafter (conformance.make_drafters)
-#   4. engines   engine_load_check.py on every export + aux-id capture rules + broken exports refused
+#   3. drafters  demo pipeline (extract 6 samples -> train 2 steps -> export), the same as an MLA drafter,
+#              a Kimi-K2.5-shaped drafter, one warm-started from an imported SGLang-layout drafter, and MLA
+#              drafters in the engines' layout (small, Kimi-K2.5-sized, q_lora_rank null) (conformance.make_drafters)
+#   4. engines   conformance/engine_load.py on every export and MLA drafter + aux-id capture rules +
+#              broken exports and broken MLA drafters refused
 #   5. product   `python -m eval.export --verify-with sglang` inside the engine venv (item 4's path), and the
 #              regeneration server client's SGLang /generate bodies through SGLang's schema (check_regen_api.py)
-#   6. specforge our logits/losses vs specforge_reference.py
+#   6. specforge our logits/losses vs conformance/specforge_ref.py (SpecForge 0.2.0's own code)
 # The lane never passes without running: when the venvs cannot be built (registries unreachable) it
 # fails (exit 1) and says why. REDRAFT_SKIP_CONFORMANCE=1, set on purpose, skips it (exit 0, loudly).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 PY=${PYTHON:-$ROOT/.venv/bin/python}
-TOOLS=${REDRAFT_SHARED_TOOLS:-../shared/tools}
 VENVS=${CONFORMANCE_VENVS:-$HOME/.cache/redraft/conformance}
 WORK=${CONFORMANCE_WORK:-$ROOT/.cache/conformance}
 ENGINE_VENV=$VENVS/engine
@@ -44,12 +46,6 @@ loud() {
     echo "################################################################################"
 }
 
-if [ ! -f "$TOOLS/engine_load_check.py" ] || [ ! -f "$TOOLS/specforge_reference.py" ]; then
-    echo "conformance: shared tools not found at '$TOOLS' (set REDRAFT_SHARED_TOOLS to the folder holding" \
-         "engine_load_check.py, make_engine_venv.sh, specforge_reference.py, make_specforge_venv.sh)" >&2
-    exit 2
-fi
-TOOLS=$(cd "$TOOLS" && pwd)
 [ -x "$PY" ] || { echo "conformance: $PY missing (run 'make venv' first)" >&2; exit 2; }
 
 # ---------------------------------------------------------------- 1. venvs
@@ -77,17 +73,17 @@ if ! venvs_ready && ! registry_reachable; then  # importing the engines takes ~2
     exit 1
 fi
 mkdir -p "$VENVS" "$WORK"
-build_venv() {  # build_venv SCRIPT DIR: pip's chatter goes to a log, printed only when the build fails
-    local log="$WORK/$(basename "$1" .sh).log"
-    if ! bash "$TOOLS/$1" "$2" >"$log" 2>&1; then
+build_venv() {  # build_venv MODE DIR: pip's chatter goes to a log, printed only when the build fails
+    local log="$WORK/make_venv-$1.log"
+    if ! bash conformance/make_venv.sh "$1" "$2" >"$log" 2>&1; then
         tail -n 60 "$log" | sed 's/^/  /'
-        echo "conformance: $1 failed (full log: $log)" >&2
+        echo "conformance: conformance/make_venv.sh $1 $2 failed (full log: $log)" >&2
         exit 1
     fi
-    grep -E '^\[make_' "$log" | sed 's/^/  /'
+    grep -E '^\[make_venv' "$log" | sed 's/^/  /'
 }
-build_venv make_engine_venv.sh "$ENGINE_VENV"
-build_venv make_specforge_venv.sh "$SF_VENV"
+build_venv engine "$ENGINE_VENV"
+build_venv specforge "$SF_VENV"
 done_phase venvs
 
 # ---------------------------------------------------------------- 2. tests that need the real SGLang
@@ -97,7 +93,7 @@ if [ "${#SGLANG_TESTS[@]}" = 0 ]; then
     echo "conformance: no test file under tests/ has a test marked sglang" >&2
     exit 1
 fi
-PYTEST_SITE="$WORK/engine-pytest"  # pytest beside the engine venv, not in it: the shared tool owns that venv
+PYTEST_SITE="$WORK/engine-pytest"  # pytest beside the engine venv, not in it: its lock file owns that venv
 PYTEST_PINS=$("$PY" -c 'import importlib.metadata as m
 print(" ".join(f"{d}=={m.version(d)}" for d in ("pytest", "pluggy", "iniconfig", "pytest-timeout")))')
 if [ "$(cat "$PYTEST_SITE/.pins" 2>/dev/null)" != "$PYTEST_PINS" ]; then
@@ -119,17 +115,18 @@ done_phase sglang-tests
 # ---------------------------------------------------------------- 3. drafters
 phase "3/6 exported drafters ($WORK)"
 # everything but the extracted dataset is redone: training, checkpoint writing and export are under test
+# (the MLA drafters under $WORK/foreign are random weights of a fixed seed: reused when present)
 rm -rf "$WORK/exports" "$WORK/broken" "$WORK/runs" "$WORK/verify" "$WORK/imported-sglang"
-for which in demo warm kimi; do
+for which in demo demo-mla warm kimi mla; do
     t0=$(date +%s)
-    "$PY" -m conformance.make_drafters "$which" "$WORK" --shared-tools "$TOOLS"
+    "$PY" -m conformance.make_drafters "$which" "$WORK"
     echo "  $which: $(( $(date +%s) - t0 )) s"
 done
 done_phase drafters
 
 # ---------------------------------------------------------------- 4. engines
 phase "4/6 engine loading (SGLang 0.5.23 + vLLM 0.33.0 loaders)"
-"$PY" -m conformance.check_engines "$WORK/exports" --engine-python "$ENGINE_VENV/bin/python" --shared-tools "$TOOLS"
+"$PY" -m conformance.check_engines "$WORK/exports" --engine-python "$ENGINE_VENV/bin/python" --foreign "$WORK/foreign"
 rm -rf "$WORK/runs/kimi" "$WORK/exports/kimi-sglang" "$WORK/exports/kimi-vllm"  # 7 GB, rebuilt every run
 done_phase engines
 
@@ -150,7 +147,7 @@ done_phase product
 
 # ---------------------------------------------------------------- 6. specforge
 phase "6/6 numerics vs SpecForge 0.2.0"
-"$PY" -m conformance.check_specforge "$WORK/specforge" --sf-python "$SF_VENV/bin/python" --shared-tools "$TOOLS"
+"$PY" -m conformance.check_specforge "$WORK/specforge" --sf-python "$SF_VENV/bin/python"
 done_phase specforge
 
 echo

@@ -19,7 +19,8 @@ our reading of the engines, so this runs the engines' code:
 
 No forward pass runs. Engine internals used here are those of sglang 0.5.23 / vllm 0.33.0; a
 different version may fail in setup, which is reported as "could not run", never as a PASS.
-The CI conformance lane runs the fuller peer check (shared/tools/engine_load_check.py) instead.
+The CI conformance lane runs the fuller check in conformance/engine_load.py (MLA drafters, shard names,
+per-key values and overlaps) instead.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ class VerifyReport:
         return not self.problems
 
     def verdict(self) -> str:
-        """One line, the same shape as the peer check's: ``VERDICT <engine> PASS|FAIL ...``."""
+        """One line, the same shape as conformance/engine_load.py's: ``VERDICT <engine> PASS|FAIL ...``."""
         if self.ok:
             design = f" ({len(self.by_design)} provided by the target by design)" if self.by_design else ""
             skipped = f" ({', '.join(self.skipped_keys)} skipped by design)" if self.skipped_keys else ""

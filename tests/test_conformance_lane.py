@@ -1,17 +1,21 @@
 """The conformance lane's own logic, without its venvs: verdict parsing, the engines' aux-id capture
-rules, broken exports caught by our pre-check, the SpecForge mask statements, and the
-"engine not installed" path of ``--verify-with``."""
+rules, broken exports caught by our pre-check, the SpecForge mask statements, the "engine not
+installed" path of ``--verify-with``, and the lane standing on the repository alone (run.sh, the
+venv builder and its locks). The engine-loading judge itself: tests/test_conformance_loadcheck.py."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from conformance import check_engines as ce
 from conformance import check_specforge as cs
@@ -27,7 +31,7 @@ from eval.export import ExportConfig, export_checkpoint
 from eval.export import main as export_main
 from train.ttt import ttt_forward
 
-PEER_OUTPUT = """\
+ENGINE_OUTPUT = """\
   IGNORED      midlayer.mlp.upp_proj.weight            (128, 64)  sglang's load_weights matched no parameter
 VERDICT sglang FAIL (2 problems): parameter model.layers.0.mlp.gate_up_proj.weight not loaded; key x ignored
 VERDICT vllm PASS: 12/12 parameters loaded (1 provided by the target by design), 15/15 checkpoint keys used
@@ -60,7 +64,7 @@ def export(ckpt: Path, out: Path, fmt: str) -> Path:
 
 
 def test_parse_verdicts_reads_each_engine_line():
-    v = ce.parse_verdicts(PEER_OUTPUT)
+    v = ce.parse_verdicts(ENGINE_OUTPUT)
     assert set(v) == {"sglang", "vllm", "both"}
     assert v["sglang"].status == "FAIL" and "gate_up_proj" in v["sglang"].detail
     assert v["vllm"].status == "PASS" and v["vllm"].detail.startswith("12/12")
@@ -73,7 +77,7 @@ def test_parse_verdicts_reads_error_lines():
 
 
 def test_expect_verdicts_flags_wrong_status_missing_engine_and_exit_code():
-    v = ce.parse_verdicts(PEER_OUTPUT)
+    v = ce.parse_verdicts(ENGINE_OUTPUT)
     assert ce.expect_verdicts(v, 1, {"sglang": "FAIL"}) == []
     problems = ce.expect_verdicts(v, 1, {"sglang": "FAIL", "vllm": "FAIL"})
     assert len(problems) == 1 and problems[0].startswith("vllm: expected FAIL, got PASS")
@@ -82,7 +86,7 @@ def test_expect_verdicts_flags_wrong_status_missing_engine_and_exit_code():
     assert any("exit code 2" in p for p in ce.expect_verdicts(v, 2, {"sglang": "FAIL"}))
 
 
-def test_our_verify_report_verdict_parses_like_the_peer_tools():
+def test_our_verify_report_verdict_parses_like_the_lanes_check():
     ok = ve.VerifyReport(engine="sglang", folder="x", params=11, keys=15, skipped_keys=["t2d"],
                          by_design={"model.embed_tokens.weight": "target"})
     bad = ve.VerifyReport(engine="vllm", folder="x", problems=["key d2t ignored"])
@@ -265,33 +269,26 @@ def test_verify_engine_refuses_unknown_engine():
 
 # ----------------------------------------------------------------------------- run.sh's skip / refusal paths
 
-RUN_SH = Path(__file__).resolve().parents[1] / "conformance" / "run.sh"
+ROOT = Path(__file__).resolve().parents[1]
+RUN_SH = ROOT / "conformance" / "run.sh"
+MAKE_VENV = ROOT / "conformance" / "make_venv.sh"
 
 
-def _run_lane(tmp_path: Path, tools: Path, fake_pip_rc: int, **extra_env: str) -> subprocess.CompletedProcess:
+def _run_lane(tmp_path: Path, fake_pip_rc: int, **extra_env: str) -> subprocess.CompletedProcess:
     """run.sh with empty venv folders and a python3 on PATH whose `pip index` exits ``fake_pip_rc``."""
     fake_bin = tmp_path / "bin"
     fake_bin.mkdir()
     (fake_bin / "python3").write_text(f"#!/bin/sh\nexit {fake_pip_rc}\n")
     (fake_bin / "python3").chmod(0o755)
     env = {k: v for k, v in os.environ.items() if k != "REDRAFT_SKIP_CONFORMANCE"}
-    env.update(PATH=f"{fake_bin}:{os.environ['PATH']}", REDRAFT_SHARED_TOOLS=str(tools),
-               CONFORMANCE_VENVS=str(tmp_path / "venvs"), CONFORMANCE_WORK=str(tmp_path / "work"),
-               PYTHON=sys.executable, **extra_env)
+    env.update(PATH=f"{fake_bin}:{os.environ['PATH']}", CONFORMANCE_VENVS=str(tmp_path / "venvs"),
+               CONFORMANCE_WORK=str(tmp_path / "work"), PYTHON=sys.executable, **extra_env)
     return subprocess.run(["bash", str(RUN_SH)], env=env, capture_output=True, text=True, timeout=60)
-
-
-def _fake_tools(tmp_path: Path) -> Path:
-    tools = tmp_path / "tools"
-    tools.mkdir()
-    for name in ("engine_load_check.py", "specforge_reference.py"):
-        (tools / name).write_text("")
-    return tools
 
 
 def test_lane_fails_loudly_when_it_cannot_run(tmp_path):
     """Registries unreachable and no venvs: the lane cannot check anything, so CI must go red."""
-    proc = _run_lane(tmp_path, _fake_tools(tmp_path), fake_pip_rc=1)
+    proc = _run_lane(tmp_path, fake_pip_rc=1)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "CONFORMANCE LANE FAILED: it cannot run" in proc.stdout
     assert "REDRAFT_SKIP_CONFORMANCE=1" in proc.stdout
@@ -299,16 +296,72 @@ def test_lane_fails_loudly_when_it_cannot_run(tmp_path):
 
 
 def test_lane_skips_only_when_asked_to(tmp_path):
-    proc = _run_lane(tmp_path, _fake_tools(tmp_path), fake_pip_rc=1, REDRAFT_SKIP_CONFORMANCE="1")
+    proc = _run_lane(tmp_path, fake_pip_rc=1, REDRAFT_SKIP_CONFORMANCE="1")
     assert proc.returncode == 0, proc.stderr
     assert "CONFORMANCE LANE SKIPPED on purpose" in proc.stdout
     assert not (tmp_path / "venvs").exists()
 
 
-def test_lane_fails_clearly_without_shared_tools(tmp_path):
-    proc = _run_lane(tmp_path, tmp_path / "nowhere", fake_pip_rc=0)
-    assert proc.returncode == 2
-    assert "shared tools not found" in proc.stderr and "REDRAFT_SHARED_TOOLS" in proc.stderr
+def test_lane_needs_nothing_outside_the_repository():
+    """CI runs a clean clone: no path of the lane may leave it (the old ../shared/tools), and every
+    conformance module or file run.sh names must be in the repository."""
+    texts = {p: p.read_text() for p in [RUN_SH, MAKE_VENV, ROOT / "Makefile", *(ROOT / "conformance").rglob("*.py")]}
+    for path, text in texts.items():
+        for needle in ("../shared", "shared/tools", "REDRAFT_SHARED_TOOLS", "engine_load_check", "specforge_reference",
+                       "make_fake_drafter"):
+            assert needle not in text, f"{path} still mentions {needle!r}"
+    run = texts[RUN_SH]
+    for module in sorted(set(re.findall(r"-m (conformance\.\w+)", run))):
+        assert (ROOT / f"{module.replace('.', '/')}.py").is_file(), module
+    for script in sorted(set(re.findall(r"conformance/[\w/]+\.(?:sh|py)", run))):
+        assert (ROOT / script).is_file(), script
+    for mode in ("engine", "specforge"):
+        assert (ROOT / "conformance" / "venvs" / f"{mode}.txt").is_file()
+
+
+@pytest.mark.parametrize("mode,pins", [
+    ("engine", {"torch": "2.14.1", "sglang": "0.5.23", "vllm": "0.33.0", "transformers": "5.19.0",
+                "openai": "2.54.0", "compressed-tensors": "0.18.0", "xgrammar": "0.2.8"}),
+    ("specforge", {"specforge": "0.2.0", "transformers": "5.8.1", "safetensors": "0.8.0"}),
+])
+def test_venv_locks_pin_every_distribution_exactly(mode, pins):
+    lines = [ln.strip() for ln in (ROOT / "conformance" / "venvs" / f"{mode}.txt").read_text().splitlines()]
+    reqs = [ln for ln in lines if ln and not ln.startswith("#")]
+    assert reqs and all(re.fullmatch(r"[A-Za-z0-9_.\-]+==[A-Za-z0-9_.+\-]+", r) for r in reqs), reqs
+    got = {r.split("==")[0].lower(): r.split("==")[1] for r in reqs}
+    assert len(got) == len(reqs)  # no distribution twice
+    for name, version in pins.items():
+        assert got.get(name) == version, (name, got.get(name))
+    if mode == "specforge":
+        assert "torch" not in got  # only from the local CPU wheel, never from an index
+
+
+@pytest.mark.parametrize("args,env,needle", [
+    (["bogus", "x"], {}, "usage: bash conformance/make_venv.sh engine|specforge DIR"),
+    (["engine"], {}, "no DIR given"),
+    (["specforge", "{tmp}/v"], {"TORCH_WHEEL": "{tmp}/no-such.whl"}, "no-such.whl: no such file"),
+])
+def test_make_venv_refuses_loudly_before_building_anything(tmp_path, args, env, needle):
+    env = {**os.environ, **{k: v.format(tmp=tmp_path) for k, v in env.items()}}
+    proc = subprocess.run(["bash", str(MAKE_VENV), *[a.format(tmp=tmp_path) for a in args]], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert needle in proc.stderr and "ERROR" in proc.stderr
+    assert not (tmp_path / "v").exists()
+
+
+def test_specforge_reference_says_why_it_cannot_run_here(tmp_path, capsys):
+    """.venv has no SpecForge: the reference exits 2 naming it, and refuses inputs naming the file and key."""
+    from conformance import specforge_ref as sr
+
+    if importlib.util.find_spec("specforge") is None:
+        assert sr.main(["--check-import"]) == 2
+        assert "SpecForge is not importable here" in capsys.readouterr().err
+    save_file({"input_ids": torch.zeros(1, 4, dtype=torch.int64)}, str(tmp_path / "in.safetensors"))
+    with pytest.raises(sr.InputError, match="key 'aux_hidden_states' missing"):
+        sr.read_inputs(tmp_path / "in.safetensors")
+    stub = sr._triton_stand_in()
+    assert stub["triton"].next_power_of_2(300) == 512 and stub["triton"].jit(len) is len
 
 
 def test_verify_report_verdict_stays_one_readable_line():

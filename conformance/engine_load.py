@@ -1,0 +1,123 @@
+"""Load a drafter folder with SGLang's and vLLM's REAL model classes and loaders, on CPU; say what landed.
+
+    ENGINE_VENV/bin/python -m conformance.engine_load FOLDER [--engine sglang|vllm|both]
+        [--target-config TARGET/config.json] [--context-length N] [--json REPORT.json] [--verbose]
+
+Run from the repository root (or with it on PYTHONPATH) by the python of the venv that
+``conformance/make_venv.sh engine`` builds. Handles both EAGLE-3 drafter architectures:
+``LlamaForCausalLMEagle3`` and the MLA drafter ``Eagle3DeepseekV2ForCausalLM``. No forward pass runs.
+For every engine it prints the table (NOT LOADED / IGNORED / REJECTED / USED / SKIPPED / BY DESIGN)
+and one line ``VERDICT <engine> PASS|FAIL|ERROR ...``; ``--engine both`` runs each engine in its own
+process (two engines' globals must not meet) and adds ``VERDICT both ...``.
+
+Exit code: 0 PASS (every parameter written or left to the target by the engine's rule, every key
+used or dropped by design, d2t valid); 1 FAIL; 2 could not run (bad usage, unreadable folder, an
+engine that is missing or whose internals moved).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ENGINES = ("sglang", "vllm")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_one(engine: str, a: argparse.Namespace) -> int:
+    """One engine in this process: the report's table, warnings, and its VERDICT line."""
+    from conformance.loadcheck.check import SetupError, run_check
+    from conformance.loadcheck.folder import FolderError, read_folder
+
+    try:
+        folder = read_folder(a.folder)
+        if engine == "sglang":
+            from conformance.loadcheck.sglang_engine import SGLangEngine
+
+            eng = SGLangEngine(folder, a.context_length)
+        else:
+            from conformance.loadcheck.vllm_engine import VLLMEngine
+
+            eng = VLLMEngine(folder, a.context_length, a.target_config)
+        report = run_check(eng, folder, verbose=a.verbose)
+    except (FolderError, SetupError) as e:
+        print(f"VERDICT {engine} ERROR: {e}")
+        return 2
+    except Exception as e:  # noqa: BLE001 - a crash of the check itself is "could not run", never a PASS
+        import traceback
+
+        traceback.print_exc()
+        print(f"VERDICT {engine} ERROR: the check itself crashed: {type(e).__name__}: {e}"[:500])
+        return 2
+    print(f"{engine}: {report.version}, {report.model_class or '(not built)'}, {folder.path}")
+    for line in report.lines:
+        print(line)
+    for w in report.warnings:
+        print(f"  WARNING      {w}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(report.to_json(), indent=1) + "\n")
+    print(report.verdict())
+    return 0 if report.ok else 1
+
+
+def child_args(a: argparse.Namespace, engine: str) -> list[str]:
+    """The command line of one engine's child process, rebuilt from the parsed options."""
+    out = [a.folder, "--engine", engine]
+    if a.target_config:
+        out += ["--target-config", a.target_config]
+    if a.context_length:
+        out += ["--context-length", str(a.context_length)]
+    if a.json:
+        out += ["--json", f"{a.json}.{engine}.json"]
+    if a.verbose:
+        out.append("--verbose")
+    return out
+
+
+def run_both(a: argparse.Namespace) -> int:
+    """Each engine in a child process; the combined verdict: ERROR if either could not run, else FAIL/PASS."""
+    status: dict[str, str] = {}
+    codes = []
+    for engine in ENGINES:
+        cmd = [sys.executable, "-m", "conformance.engine_load", *child_args(a, engine)]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        sys.stdout.write(proc.stdout)
+        sys.stdout.flush()
+        codes.append(proc.returncode)
+        status[engine] = {0: "PASS", 1: "FAIL"}.get(proc.returncode, "ERROR")
+    overall = "ERROR" if 2 in codes or any(c not in (0, 1) for c in codes) else ("FAIL" if 1 in codes else "PASS")
+    print(f"VERDICT both {overall}: " + ", ".join(f"{e} {s}" for e, s in status.items()))
+    return {"PASS": 0, "FAIL": 1}.get(overall, 2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m conformance.engine_load", description=__doc__.split("\n\n")[0])
+    p.add_argument("folder", help="drafter folder: config.json + model.safetensors")
+    p.add_argument("--engine", choices=(*ENGINES, "both"), default="both")
+    p.add_argument("--target-config", help="vLLM only: the target's config.json (default: synthesised from the "
+                                           "draft; a DeepSeek-V3-style MoE target for an MLA drafter)")
+    p.add_argument("--context-length", type=int, metavar="N", help="behave like a target with this context length")
+    p.add_argument("--json", metavar="FILE", help="the full report (per parameter and per key)")
+    p.add_argument("--verbose", action="store_true", help="show the engines' own output")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        a = build_parser().parse_args(argv)
+    except SystemExit as e:  # argparse: 2 for bad usage already, 0 for --help
+        return int(e.code or 0)
+    os.environ.setdefault("VLLM_CACHE_ROOT", str(Path(sys.prefix) / "vllm-cache"))  # the registry's cache
+    if a.engine == "both":
+        return run_both(a)
+    return run_one(a.engine, a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
