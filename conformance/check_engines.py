@@ -4,7 +4,7 @@
 
 For every ``<name>.json`` in the exports folder (written by ``conformance.make_drafters``):
 
-1. ``conformance/engine_load.py`` (run by the engine venv's python) loads ``<name>-sglang`` and
+1. ``python -m eval.verify_engine`` (run by the engine venv's python) loads ``<name>-sglang`` and
    ``<name>-vllm`` in both engines (or, when the drafter's json says ``"engines": "matching"``, each
    in its own engine: the Kimi-sized one) and must say PASS;
 2. the aux layer ids in each export's ``config.json`` are pushed through each engine's capture rule,
@@ -196,8 +196,8 @@ def precheck_problems(folder: Path) -> str | None:
 
 def engine_check(python: str, folder: Path, engine: str, context: int | None, logdir: Path,
                  target_config: Path | None = None) -> tuple[int, dict[str, Verdict], float]:
-    """``conformance/engine_load.py`` on ``folder`` in the engine venv, from the repository root; its log kept."""
-    cmd = [python, "-m", "conformance.engine_load", str(folder), "--engine", engine]
+    """``python -m eval.verify_engine`` on ``folder`` in the engine venv, from the repository root; its log kept."""
+    cmd = [python, "-m", "eval.verify_engine", str(folder), "--engine", engine]
     if context:
         cmd += ["--context-length", str(context)]
     if target_config:

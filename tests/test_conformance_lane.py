@@ -86,13 +86,19 @@ def test_expect_verdicts_flags_wrong_status_missing_engine_and_exit_code():
     assert any("exit code 2" in p for p in ce.expect_verdicts(v, 2, {"sglang": "FAIL"}))
 
 
-def test_our_verify_report_verdict_parses_like_the_lanes_check():
-    ok = ve.VerifyReport(engine="sglang", folder="x", params=11, keys=15, skipped_keys=["t2d"],
-                         by_design={"model.embed_tokens.weight": "target"})
-    bad = ve.VerifyReport(engine="vllm", folder="x", problems=["key d2t ignored"])
+def test_the_checks_verdict_parses_like_the_lanes_check():
+    from eval.loadcheck.probe import Report
+
+    ok = Report(engine="sglang", folder="x", model_class="LlamaForCausalLMEagle3", params=11,
+                by_design={"model.embed_tokens.weight": "target"})
+    bad = Report(engine="vllm", folder="x", problems=["key d2t ignored"])
     v = ce.parse_verdicts(ok.verdict() + "\n" + bad.verdict())
     assert v["sglang"].status == "PASS" and "11/11" in v["sglang"].detail
     assert v["vllm"].status == "FAIL" and "d2t" in v["vllm"].detail
+    long = Report(engine="vllm", folder="x", problems=[f"key k{i} rejected: " + "x" * 400 for i in range(9)])
+    line = long.verdict()
+    assert line.startswith("VERDICT vllm FAIL (9 problems)") and "... 5 more" in line and len(line) < 900
+    assert ce.parse_verdicts(line)["vllm"].status == "FAIL"
 
 
 # ----------------------------------------------------------------------------- aux layer ids
@@ -216,55 +222,31 @@ def test_our_mask_statement_counts_what_ttt_forward_counts():
 # ----------------------------------------------------------------------------- eval.verify_engine
 
 
-def test_sentinel_helpers_find_unwritten_rows():
-    w = torch.zeros(4, 3)
-    ids = torch.zeros(5, dtype=torch.int64)
-    ve.sentinel_fill([w, ids])
-    assert ve.unwritten_rows(w) == (12, 4) and not ve.written_anything(w)
-    w[1:3] = 1.0
-    assert ve.unwritten_rows(w) == (6, 2) and ve.written_anything(w)
-    assert ve.unwritten_rows(ids) == (5, 5)
-    assert ve.unwritten_rows(torch.zeros(3, dtype=torch.bool)) is None
+def _engine_importable(engine: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(engine) is not None
 
 
-def test_vocab_map_problems():
-    assert ve.vocab_map_problems(torch.tensor([0, 5, 9]), True, 3, 10) == []
-    assert "not one-to-one" in ve.vocab_map_problems(torch.tensor([0, 5, 5]), True, 3, 10)[0]
-    assert "outside the target vocab" in ve.vocab_map_problems(torch.tensor([0, 5, 10]), True, 3, 10)[0]
-    assert "2 entries" in ve.vocab_map_problems(torch.tensor([0, 5]), True, 3, 10)[0]
-    assert "no d2t" in ve.vocab_map_problems(None, True, 3, 10, in_checkpoint=False)[0]
-    assert "did not take it" in ve.vocab_map_problems(None, True, 3, 10, in_checkpoint=True)[0]
-    assert ve.vocab_map_problems(None, False, 10, 10) == []
+@pytest.mark.skipif(_engine_importable("sglang"), reason="sglang is installed here")
+def test_verify_says_the_engine_is_missing(tmp_path, capsys):
+    ckpt = tiny_checkpoint(tmp_path / "ckpt", tiny_cfg())
+    assert ve.run_verification(ckpt, "sglang") == 2
+    assert "VERDICT sglang ERROR: sglang is not importable here" in capsys.readouterr().out
 
 
-def test_synth_target_config_is_sized_from_the_draft():
-    cfg = serving_config(tiny_cfg("LlamaForCausalLM", 30, (1, 14, 26)), engine="vllm")
-    t = ve.synth_target_config(cfg, context_length=4096)
-    assert (t["vocab_size"], t["hidden_size"], t["num_hidden_layers"]) == (100, 32, 28)
-    assert t["max_position_embeddings"] == 4096
-
-
-@pytest.mark.skipif(ve.engine_installed("sglang"), reason="sglang is installed here")
-def test_verify_says_engine_not_installed(tmp_path, capsys):
-    with pytest.raises(ve.EngineNotInstalled, match="not installed in this environment"):
-        ve.verify_export(tmp_path, "sglang")
-    assert ve.run_verification(tmp_path, "sglang") == 2
-    assert "VERDICT sglang ERROR: sglang is not installed in this environment" in capsys.readouterr().out
-
-
-@pytest.mark.skipif(ve.engine_installed("vllm"), reason="vllm is installed here")
+@pytest.mark.skipif(_engine_importable("vllm"), reason="vllm is installed here")
 def test_export_verify_with_fails_clearly_without_the_engine(tmp_path, capsys):
     ckpt = tiny_checkpoint(tmp_path / "ckpt", tiny_cfg())
     out = tmp_path / "out"
     rc = export_main([str(ckpt), str(out), "--format", "vllm", "--verify-with", "vllm", "-q"])
     assert rc != 0
     assert (out / "model.safetensors").is_file()  # the export itself is written before the check
-    assert "vllm is not installed in this environment" in capsys.readouterr().out
+    assert "vllm is not importable here" in capsys.readouterr().out
 
 
 def test_verify_engine_refuses_unknown_engine():
-    with pytest.raises(ValueError, match="unknown engine"):
-        ve.engine_installed("tgi")
+    assert ve.main(["x", "--engine", "tgi"]) == 2
 
 
 # ----------------------------------------------------------------------------- run.sh's skip / refusal paths
@@ -364,8 +346,3 @@ def test_specforge_reference_says_why_it_cannot_run_here(tmp_path, capsys):
     assert stub["triton"].next_power_of_2(300) == 512 and stub["triton"].jit(len) is len
 
 
-def test_verify_report_verdict_stays_one_readable_line():
-    rep = ve.VerifyReport(engine="vllm", folder="x", problems=[f"key k{i} rejected: " + "x" * 400 for i in range(9)])
-    line = rep.verdict()
-    assert line.startswith("VERDICT vllm FAIL (9 problems)") and "... 5 more" in line and len(line) < 900
-    assert ce.parse_verdicts(line)["vllm"].status == "FAIL"

@@ -1,4 +1,4 @@
-"""The lane's engine-loading judge (conformance/loadcheck) and its drafter writer, without the engines.
+"""The lane's engine-loading judge (eval/loadcheck) and its drafter writer, without the engines.
 
 A fake engine with SGLang's habits (silent skips, a stacked gate/up, a q_a/kv_a pair it only fuses
 when both arrive, d2t outside the parameters) drives the real procedure, so every verdict rule is
@@ -16,14 +16,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conformance import check_engines as ce
-from conformance import engine_load
 from conformance import foreign_drafter as fd
-from conformance.loadcheck import probe
-from conformance.loadcheck.check import SetupError, run_check
-from conformance.loadcheck.folder import LLAMA, MLA, FolderError, read_folder
-from conformance.loadcheck.layout import stacked_shards
-from conformance.loadcheck.targets import synth_target, target_config
 from conformance.make_drafters import MLA_DRAFTERS
+from eval import verify_engine
+from eval.loadcheck import probe
+from eval.loadcheck.check import SetupError, run_check
+from eval.loadcheck.folder import LLAMA, MLA, FolderError, read_folder
+from eval.loadcheck.layout import stacked_shards
+from eval.loadcheck.targets import synth_target, target_config
 
 H, N_INTER, V, VD = 4, 4, 10, 4  # hidden, intermediate, vocab, draft vocab of the fake
 
@@ -256,10 +256,10 @@ def test_vllm_targets_fit_the_drafter(tmp_path):
         target_config(mla, tmp_path / "nope.json", None)
 
 
-def test_engine_load_cannot_run_on_a_missing_folder(tmp_path, capsys):
-    assert engine_load.main([str(tmp_path / "nope"), "--engine", "sglang"]) == 2
+def test_verify_engine_cannot_run_on_a_missing_folder(tmp_path, capsys):
+    assert verify_engine.main([str(tmp_path / "nope"), "--engine", "sglang"]) == 2
     assert "VERDICT sglang ERROR:" in capsys.readouterr().out
-    assert engine_load.main(["--engine", "tgi"]) == 2
+    assert verify_engine.main(["--engine", "tgi"]) == 2
 
 
 # ----------------------------------------------------------------------------- the engine-layout drafters

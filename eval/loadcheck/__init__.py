@@ -1,6 +1,7 @@
-"""The engine-loading check of the conformance lane, run by the engine venv's python.
+"""The engine-loading check, run by a python that has the engine (the serving box, or the lane's engine venv).
 
-``conformance/engine_load.py`` is its command line. The pieces, one job each:
+``python -m eval.verify_engine`` is its command line (and ``eval.export --verify-with``); the CI lane runs
+every export through it. The pieces, one job each:
 
 - ``folder``: reads a drafter folder (config.json + model.safetensors) and says which EAGLE-3
   architecture it is; every refusal names the file and the key;
@@ -10,6 +11,6 @@
 - ``sglang_engine`` / ``vllm_engine``: each engine's own model class and loader, set up on CPU;
 - ``targets``: the target config vLLM needs (given, or synthesised from the draft).
 
-Nothing here imports the product (``core``, ``eval``): the lane judges our exports with code that
-does not share their assumptions.
+Nothing here imports ``core``: the check judges an export with code that does not share the exporter's
+tables (``core.drafter.serving_format``) or its assumptions.
 """

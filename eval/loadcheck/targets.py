@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from conformance.loadcheck.folder import MLA, DrafterFolder, FolderError
+from eval.loadcheck.folder import MLA, DrafterFolder, FolderError
 
 
 def synth_target(folder: DrafterFolder, context_length: int | None = None) -> dict[str, Any]:

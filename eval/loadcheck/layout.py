@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from conformance.loadcheck.probe import Shard
+from eval.loadcheck.probe import Shard
 
 
 def _cut(labels_sizes: list[tuple[str, int]]) -> list[Shard]:

@@ -34,12 +34,12 @@ from typing import Any
 
 import torch
 
-from conformance.loadcheck.check import SetupError
-from conformance.loadcheck.folder import DrafterFolder
-from conformance.loadcheck.layout import stacked_shards
-from conformance.loadcheck.probe import Shard, written_spans
-from conformance.loadcheck.sglang_engine import free_port
-from conformance.loadcheck.targets import target_config
+from eval.loadcheck.check import SetupError
+from eval.loadcheck.folder import DrafterFolder
+from eval.loadcheck.layout import stacked_shards
+from eval.loadcheck.probe import Shard, written_spans
+from eval.loadcheck.sglang_engine import free_port
+from eval.loadcheck.targets import target_config
 
 EMBED = "model.embed_tokens.weight"
 

@@ -26,8 +26,8 @@ from typing import Protocol
 
 import torch
 
-from conformance.loadcheck.folder import DrafterFolder
-from conformance.loadcheck.probe import (
+from eval.loadcheck.folder import DrafterFolder
+from eval.loadcheck.probe import (
     KeyUse,
     Report,
     Shard,

@@ -32,10 +32,10 @@ from collections.abc import Sequence
 
 import torch
 
-from conformance.loadcheck.check import SetupError
-from conformance.loadcheck.folder import DrafterFolder
-from conformance.loadcheck.layout import stacked_shards
-from conformance.loadcheck.probe import Shard
+from eval.loadcheck.check import SetupError
+from eval.loadcheck.folder import DrafterFolder
+from eval.loadcheck.layout import stacked_shards
+from eval.loadcheck.probe import Shard
 
 EMBED = "model.embed_tokens.weight"
 # kimi_k25_eagle3.py caches q_a_proj until kv_a_proj_with_mqa arrives (and the reverse), then writes
