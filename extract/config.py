@@ -28,7 +28,8 @@ def _opt(default: Any, help: str, **kw: Any) -> Any:
 
 @dataclass
 class ExtractConfig:
-    target: str = _opt("", "Target model: a built-in name (smollm2-135m-instruct) or a local Hugging Face folder.")
+    target: str = _opt("", "Target model: a built-in name (smollm2-135m-instruct; kimi-k25-mini, Kimi-K2.5's "
+                           "architecture in miniature, built on first use) or a local Hugging Face folder.")
     data: list[str] = _opt(
         [],
         "Input data: JSONL/JSON/Parquet files, datasets folders, or built-in names (mtbench, chitchat, and self: "

@@ -1,6 +1,7 @@
-"""The real SmolLM2-135M-Instruct target, converted at most once per test session.
+"""The built-in targets, converted or built at most once per test session.
 
-Conversion takes ~25-40 s, so every slow test that needs the real model calls :func:`smollm2_dir`.
+SmolLM2's conversion takes ~25-40 s and kimi-k25-mini's build a few minutes, so every slow test that
+needs one calls :func:`smollm2_dir` or :func:`kimi_mini_dir`.
 When ``REDRAFT_CACHE`` is set by the environment the real cache is used (and kept); otherwise a
 temporary cache is created and removed when the interpreter exits.
 """
@@ -13,12 +14,12 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from core.embedded import CACHE_ENV, resolve_target
+from core.embedded import CACHE_ENV, KIMI_MINI, resolve_target
 from core.engines.vllm import DEFAULT_VENV, MAKE_HINT
 
 SMOLLM2 = "smollm2-135m-instruct"
 DRAFT_VOCAB = 32000
-_CONVERTED: dict[str, Path] = {}
+_CONVERTED: dict[tuple[str, str], Path] = {}
 _TMP_CACHE: list[str] = []
 
 
@@ -30,24 +31,34 @@ def _session_cache() -> str:
     return _TMP_CACHE[0]
 
 
-def smollm2_dir(dtype: str = "float32") -> Path:
-    """The converted HF folder of the built-in SmolLM2 target (converted once per session and dtype)."""
-    if dtype in _CONVERTED:
-        return _CONVERTED[dtype]
+def _builtin_dir(name: str, dtype: str) -> Path:
+    """The folder of a built-in target, built at most once per session, name and dtype."""
+    if (name, dtype) in _CONVERTED:
+        return _CONVERTED[name, dtype]
     if os.environ.get(CACHE_ENV):
-        path = resolve_target(SMOLLM2, dtype=dtype)
+        path = resolve_target(name, dtype=dtype)
     else:
         old = os.environ.get(CACHE_ENV)
         os.environ[CACHE_ENV] = _session_cache()
         try:
-            path = resolve_target(SMOLLM2, dtype=dtype)
+            path = resolve_target(name, dtype=dtype)
         finally:
             if old is None:
                 os.environ.pop(CACHE_ENV, None)
             else:
                 os.environ[CACHE_ENV] = old
-    _CONVERTED[dtype] = path
+    _CONVERTED[name, dtype] = path
     return path
+
+
+def smollm2_dir(dtype: str = "float32") -> Path:
+    """The converted HF folder of the built-in SmolLM2 target (converted once per session and dtype)."""
+    return _builtin_dir(SMOLLM2, dtype)
+
+
+def kimi_mini_dir(dtype: str = "float32") -> Path:
+    """The built kimi-k25-mini folder (Kimi-K2.5's architecture in miniature; built once, a few minutes)."""
+    return _builtin_dir(KIMI_MINI, dtype)
 
 
 def smollm2_logit_lens_drafter(folder: Path) -> Path:

@@ -27,6 +27,8 @@ import functools
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from core.kimi_mini import CHAT_TEMPLATE as KIMI_CHAT_TEMPLATE
+
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
     "{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -77,35 +79,8 @@ DEEPSEEK_V3_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<｜Assistant｜>' }}{% endif %}"
 )
 
-KIMI_K25_TEMPLATE = """{%- set ns = namespace(last_assistant=-1) -%}
-{%- for m in messages -%}
-  {%- if m['role'] == 'assistant' -%}{%- set ns.last_assistant = loop.index0 -%}{%- endif -%}
-{%- endfor -%}
-{%- if messages|length == 0 or messages[0]['role'] != 'system' -%}
-  <|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>
-{%- endif -%}
-{%- for m in messages -%}
-  {%- if m['role'] == 'user' -%}
-    <|im_user|>user<|im_middle|>
-  {%- elif m['role'] == 'assistant' -%}
-    <|im_assistant|>assistant<|im_middle|>
-  {%- else -%}
-    <|im_system|>system<|im_middle|>
-  {%- endif -%}
-  {%- if m['role'] == 'assistant' -%}
-    {%- if loop.index0 == ns.last_assistant and not (thinking is defined and thinking is false) -%}
-      <think>{{ m.get('reasoning_content') or '' }}</think>
-    {%- else -%}
-      <think></think>
-    {%- endif -%}
-  {%- endif -%}
-  {{ m['content'] }}<|im_end|>
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-  <|im_assistant|>assistant<|im_middle|>
-  {%- if thinking is defined and thinking is false -%}<think></think>{%- else -%}<think>{%- endif -%}
-{%- endif -%}
-"""
+# The product's Kimi-K2.5 thinking template (kimi-k25-mini's): one definition, proven here by the mask tests.
+KIMI_K25_TEMPLATE = KIMI_CHAT_TEMPLATE
 
 QWEN3_TEMPLATE = """{%- set ns = namespace(last_user=-1) -%}
 {%- for m in messages -%}

