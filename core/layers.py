@@ -25,7 +25,7 @@ ENGINES = ("sglang", "vllm")
 # Architectures served by SGLang's deepseek_v2.py, which adds 1 to configured ids only when ids[0] == 1.
 _DEEPSEEK_FAMILY = re.compile(r"^(DeepseekV2|DeepseekV3|KimiK2|KimiK25)", re.IGNORECASE)
 
-def default_aux_layer_ids(num_layers: int) -> list[int]:
+def default_aux_layer_ids(num_layers: int, architecture: str | None = None) -> list[int]:
     """Low/middle/high layers: ``[1, L//2 - 1, L - 4]`` (SpecForge's default, same tensors as the engines').
 
     Tiny test models (3 <= L < 8) get three distinct ascending ids that avoid the last layer when possible (and
@@ -38,6 +38,8 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
         return [1, n // 2 - 1, n - 4]
     low = 1 if n >= 5 else 0
     high = n - 2 if n >= 4 else n - 1
+    if n == 4 and serving_family(architecture or "") == "deepseek":
+        return [1, 2, 3]  # layer 0 cannot be asked of SGLang's deepseek_v2.py; the last layer can
     return [low, (low + high) // 2, high]
 
 

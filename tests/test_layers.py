@@ -218,3 +218,10 @@ def test_ids_an_engine_cannot_capture_are_refused_before_any_work():
 
     with pytest.raises(ValueError, match=r"DrafterConfig.aux layer ids \[0, 1, 2\]"):
         tiny_config(aux_layer_ids=[0, 1, 2], target_architecture="DeepseekV3ForCausalLM")
+
+
+def test_a_four_layer_deepseek_target_gets_ids_every_engine_can_capture():
+    assert layers.default_aux_layer_ids(4) == [0, 1, 2]
+    ids = layers.default_aux_layer_ids(4, "DeepseekV3ForCausalLM")
+    assert ids == [1, 2, 3]
+    layers.check_servable(ids, "DeepseekV3ForCausalLM")

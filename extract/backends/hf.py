@@ -148,9 +148,10 @@ class HFTarget(TargetBackend):
         num_layers = int(text_cfg.num_hidden_layers)
         if len(self.decoder_layers) != num_layers:
             raise ValueError(f"config says {num_layers} layers but the model has {len(self.decoder_layers)}")
-        ids = layers.default_aux_layer_ids(num_layers) if aux_layer_ids is None else aux_layer_ids
+        architecture = (getattr(config, "architectures", None) or [type(self.model).__name__])[0]
+        ids = layers.default_aux_layer_ids(num_layers, architecture) if aux_layer_ids is None else aux_layer_ids
         ids = layers.validate_aux_layer_ids(ids, num_layers)
-        layers.check_servable(ids, (getattr(config, "architectures", None) or [type(self.model).__name__])[0])
+        layers.check_servable(ids, architecture)
 
         disk_keys = weight_file_keys(folder)
         if not disk_keys:

@@ -390,7 +390,7 @@ def read_target_info(
         return value
 
     num_layers = int(need("num_hidden_layers"))
-    ids = layers.default_aux_layer_ids(num_layers) if aux_layer_ids is None else aux_layer_ids
+    ids = layers.default_aux_layer_ids(num_layers, architecture) if aux_layer_ids is None else aux_layer_ids
     ids = layers.validate_aux_layer_ids(ids, num_layers)
     layers.check_servable(ids, str(architecture))
     hidden = int(need("hidden_size"))
