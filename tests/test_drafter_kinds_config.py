@@ -1,0 +1,44 @@
+"""benchmarks/drafter_kinds.py's shipped config: every (target, kind) command it would run parses as a valid
+train config of that kind (so a broken pairing is found here, not an hour into the benchmark)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import drafter_kinds as dk  # noqa: E402
+
+from train.config import parse_cli  # noqa: E402
+
+CFG = dk.KindsConfig.load(dk.DEFAULT_CONFIG, {})
+
+
+@pytest.mark.parametrize("kind", dk.KINDS)
+@pytest.mark.parametrize("spec", CFG.targets, ids=dk.target_slug)
+def test_every_training_command_parses(spec: dk.TargetSpec, kind: str, tmp_path: Path) -> None:
+    cmd = dk.train_cmd(CFG, spec, kind, 1, tmp_path / "data", tmp_path / "out")
+    assert cmd[1] == "train/main.py"
+    cfg = parse_cli(cmd[2:])
+    assert cfg.drafter_attention == kind
+    assert cfg.seed == 1 and cfg.max_steps == CFG.steps
+    if kind == "mla":
+        assert cfg.num_key_value_heads is None and cfg.head_dim is None
+    for key, value in (spec.mla if kind == "mla" else spec.gqa).items():
+        assert getattr(cfg, key) == value
+
+
+def test_both_targets_and_their_online_kinds() -> None:
+    assert {dk.target_slug(t): t.online for t in CFG.targets} == {"smollm2-135m-instruct": ["gqa"],
+                                                                  "kimi-k25-mini": ["mla"]}
+
+
+def test_unknown_target_key_is_named(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("targets:\n  - {name: x, train_config: y, gqa_sizes: {}}\n")
+    with pytest.raises(dk.BenchError, match=r"targets\[0\] has unknown keys \['gqa_sizes'\]"):
+        dk.KindsConfig.load(bad, {})
