@@ -14,8 +14,9 @@ widths, depth, heads and expert counts, so every stage meets Kimi's shape on a C
 - :data:`CHAT_TEMPLATE`: a Kimi-K2.5-style thinking template (the one the mask and regeneration tests
   prove; ``tests/helpers_tokenizers.py`` imports it from here).
 - :func:`train`: a short, deterministic training run on chitchat conversations (never MT-bench, the
-  evaluation set): the openings (system prompt, a person's first turn, the reply) of 960 conversations,
-  about 6.7 epochs, loss on every token after the fixed system prompt (both speakers of chitchat are
+  evaluation set): the openings (system prompt, a person's first turn, the reply) of 120 conversations,
+  about 53 epochs (memorised: with 960 openings at 6.7 epochs it learned the mode, and 40 MT-bench first
+  turns got 3 distinct greedy replies; with 120 they get 40), loss on every token after the fixed system prompt (both speakers of chitchat are
   people, so both halves are the text we want; the prompt is the same in every sample; a reply-only loss
   learned worse in the same time). The softmax is trained over the ids the training data contains; every
   other id keeps a zero lm_head row (logit 0), and its constant exp(0) mass is part of the loss, which is
@@ -23,8 +24,8 @@ widths, depth, heads and expert counts, so every stage meets Kimi's shape on a C
   0, and greedy decoding never picks an id it was not trained on. The MoE gates' ``e_score_correction_bias``
   is trained as DeepSeek-V3 does (aux-loss-free balancing: after each step, each expert's bias moves by a
   fixed rate towards the mean load), so the saved bias is not zero and an engine that ignored it would
-  route differently. What this buys is a model whose greedy replies are short text that ends its turn
-  (a greeting gets a greeting, most questions the same generic sentence), not a fluent one.
+  route differently. What this buys is a model whose greedy replies are chitchat-like text that differs
+  from prompt to prompt and mostly ends its turn, not a fluent one.
 - :func:`build`: transformers' own folder, made explicit for the engines: ``topk_method``/``scoring_func``
   and Kimi's ``rope_scaling`` in config.json, the bias under ``model.layers.N.mlp.gate.e_score_correction_bias``
   (the name vLLM and SGLang load), the tokenizer, the template, a generation config whose eos is
@@ -215,10 +216,10 @@ class Recipe:
     """Everything the build depends on besides the code: changing any value builds a new cache folder."""
 
     seed: int = 0
-    samples: int = 960  # distinct conversations, each its first exchange (system prompt, person, reply)
+    samples: int = 120  # distinct conversations, each its first exchange (system prompt, person, reply)
     max_tokens: int = 96  # conversations whose first exchange is longer are skipped
     max_turns: int = 2
-    steps: int = 800  # about 6.7 epochs over the samples, reshuffled each epoch
+    steps: int = 800  # about 53 epochs over the samples (15 batches each), reshuffled each epoch
     batch_size: int = 8
     lr: float = 1e-3
     min_lr_ratio: float = 0.1

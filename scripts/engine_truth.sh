@@ -15,7 +15,7 @@
 # The Kimi lane (kimi-k25-mini, the Kimi-K2.5-shaped MLA MoE, built into $REDRAFT_CACHE; an MLA drafter):
 #   5. k-data   256 chitchat openings answered by the target through vLLM (configs/engine-truth/kimi-train.yaml)
 #   6. k-eval   48 MT-bench first turns answered by the target through vLLM (configs/engine-truth/kimi-mtbench.yaml)
-#   7. k-train  an MLA drafter, 60 steps (configs/engine-truth/kimi-train-mla.yaml)
+#   7. k-train  an MLA drafter, 240 steps (configs/engine-truth/kimi-train-mla.yaml)
 #   8. k-comp   chain K = ${ENGINE_TRUTH_KIMI_STEPS:-3 5} with --exact-per-request: every request's accepted
 #               tokens per position, offline = vLLM's counters
 # ENGINE_TRUTH_LANES="smollm2 kimi" (the default) picks lanes.
@@ -123,7 +123,7 @@ kimi_lane() {
             --out "$K/drafter" --resume auto --report-to none >"$WORK/kimi-train.log" 2>&1; then
         tail -n 40 "$WORK/kimi-train.log" | sed 's/^/  /'; echo "engine-truth: MLA drafter training failed" >&2; exit 1
     fi
-    grep -E "done|step +60" "$WORK/kimi-train.log" 2>/dev/null | tail -n 2 | sed 's/^/  /' || true
+    grep -E "redraft train done" "$WORK/kimi-train.log" | sed "s/^/  /" || true
     done_phase k-train
 
     CURRENT=kimi-compare; phase "8/8 kimi-k25-mini: vLLM online vs offline walk, every request"
