@@ -53,7 +53,7 @@ done_phase() { local t=$(( $(date +%s) - PHASE_START )); TIMES+=("$(printf '%-8s
 trap 'rc=$?; if [ $rc -ne 0 ]; then banner "ENGINE-TRUTH LANE FAILED (exit $rc) in phase: ${CURRENT:-?}"; fi' EXIT
 mkdir -p "$WORK"
 
-CURRENT=venv; phase "1/4 vLLM CPU venv ($VLLM_CPU_VENV)"
+CURRENT=venv; phase "1/8 vLLM CPU venv ($VLLM_CPU_VENV)"
 if ! bash scripts/make_vllm_cpu_venv.sh "$VLLM_CPU_VENV" >"$WORK/venv.log" 2>&1; then
     grep -v "is ignored: it is neither" "$WORK/venv.log" | tail -n 40 | sed 's/^/  /'
     echo "engine-truth: could not build the vLLM CPU venv (full log: $WORK/venv.log)" >&2
