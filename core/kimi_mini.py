@@ -15,10 +15,10 @@ widths, depth, heads and expert counts, so every stage meets Kimi's shape on a C
   prove; ``tests/helpers_tokenizers.py`` imports it from here).
 - :func:`train`: a short, deterministic training run on chitchat conversations (never MT-bench, the
   evaluation set): the openings (system prompt, a person's first turn, the reply) of 120 conversations,
-  about 53 epochs (memorised: with 960 openings at 6.7 epochs it learned the mode, and 40 MT-bench first
-  turns got 3 distinct greedy replies; with 120 they get 40), loss on every token after the fixed system prompt (both speakers of chitchat are
-  people, so both halves are the text we want; the prompt is the same in every sample; a reply-only loss
-  learned worse in the same time). The softmax is trained over the ids the training data contains; every
+  about 53 epochs, memorised (960 openings at 6.7 epochs learned the mode of the data: 3 distinct greedy
+  replies to 40 MT-bench first turns, against 40 with 120), loss on every token after the fixed system
+  prompt (both speakers of chitchat are people, so both halves are the text we want; the prompt is the
+  same in every sample; a reply-only loss learned worse in the same time). The softmax is trained over the ids the training data contains; every
   other id keeps a zero lm_head row (logit 0), and its constant exp(0) mass is part of the loss, which is
   therefore the full-vocabulary cross-entropy of the saved model: it learns to put its top logit well above
   0, and greedy decoding never picks an id it was not trained on. The MoE gates' ``e_score_correction_bias``

@@ -62,6 +62,21 @@ fi
 grep -E '^\[make_vllm_cpu_venv' "$WORK/venv.log" | sed 's/^/  /'
 done_phase venv
 
+# extract_once NAME CONFIG OUT: a dataset made once (reused when its manifest verifies)
+extract_once() {
+    if [ -f "$3/manifest.json" ] && "$PY" -m extract.verify "$3" >/dev/null 2>&1; then
+        echo "  reusing $3"
+    else
+        if ! "$PY" -m extract --config "$2" --out "$3" >"$WORK/$1.log" 2>&1; then
+            tail -n 40 "$WORK/$1.log" | sed 's/^/  /'; echo "engine-truth: extraction $2 failed" >&2; exit 1
+        fi
+        grep -E "samples, .* tokens" "$WORK/$1.log" | tail -n 1 | sed 's/^/  /'
+    fi
+}
+
+# has_checkpoint RUN: the run's latest checkpoint is complete (a rerun reuses it)
+has_checkpoint() { [ -f "$1/latest" ] && [ -f "$1/$(cat "$1/latest")/model.safetensors" ]; }
+
 smollm2_lane() {
     CURRENT=drafter; phase "2/8 drafter"
     if [ -n "${ENGINE_TRUTH_DRAFTER:-}" ]; then
@@ -69,7 +84,7 @@ smollm2_lane() {
         echo "  using ENGINE_TRUTH_DRAFTER=$DRAFTER"
     else
         DRAFTER=$WORK/demo/drafter
-        if [ -f "$DRAFTER/latest" ] && [ -f "$DRAFTER/$(cat "$DRAFTER/latest")/model.safetensors" ]; then
+        if has_checkpoint "$DRAFTER"; then
             echo "  reusing the demo drafter $DRAFTER/$(cat "$DRAFTER/latest")"
         else
             echo "  training the demo drafter (scripts/demo.sh, log $WORK/demo.log)"
@@ -93,18 +108,6 @@ smollm2_lane() {
     done_phase compare
 }
 
-# extract_once NAME CONFIG OUT: a dataset made once (reused when its manifest verifies)
-extract_once() {
-    if [ -f "$3/manifest.json" ] && "$PY" -m extract.verify "$3" >/dev/null 2>&1; then
-        echo "  reusing $3"
-    else
-        if ! "$PY" -m extract --config "$2" --out "$3" >"$WORK/$1.log" 2>&1; then
-            tail -n 40 "$WORK/$1.log" | sed 's/^/  /'; echo "engine-truth: extraction $2 failed" >&2; exit 1
-        fi
-        grep -E "samples, .* tokens" "$WORK/$1.log" | tail -n 1 | sed 's/^/  /'
-    fi
-}
-
 kimi_lane() {
     local K=$WORK/kimi
     mkdir -p "$K"
@@ -117,7 +120,7 @@ kimi_lane() {
     done_phase k-eval
 
     CURRENT=kimi-train; phase "7/8 kimi-k25-mini: MLA drafter ($K/drafter)"
-    if [ -f "$K/drafter/latest" ] && [ -f "$K/drafter/$(cat "$K/drafter/latest")/model.safetensors" ]; then
+    if has_checkpoint "$K/drafter"; then
         echo "  reusing $K/drafter/$(cat "$K/drafter/latest")"
     elif ! "$PY" train/main.py --config configs/engine-truth/kimi-train-mla.yaml --data "$K/train" \
             --out "$K/drafter" --resume auto --report-to none >"$WORK/kimi-train.log" 2>&1; then
