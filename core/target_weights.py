@@ -72,6 +72,13 @@ def weight_key_candidates(architecture_config: Any) -> tuple[list[str], list[str
     return embed, head
 
 
+def final_norm_key_candidates(architecture_config: Any) -> list[str]:
+    """Candidate keys of the decoder's final norm (``model.norm.weight`` and its wrapped forms), most likely
+    first: where the input embedding sits, the final norm sits beside it."""
+    embed, _ = weight_key_candidates(architecture_config)
+    return [k.replace("embed_tokens.weight", "norm.weight") for k in embed]
+
+
 def read_target_tensor(target_path: str | Path, key_candidates: Sequence[str]) -> tuple[torch.Tensor, str]:
     """(tensor, key) of the first candidate key in the target's safetensors, reading only that tensor.
 

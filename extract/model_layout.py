@@ -68,3 +68,30 @@ def find_lm_head(model: nn.Module) -> nn.Module:
         if isinstance(mod, nn.Module):
             return mod
     raise ValueError(f"cannot find the lm_head of {type(model).__name__}")
+
+
+# MLA's latent norms: transformers' DeepseekV3 builds them with RMSNorm's default eps (1e-6) whatever the config
+# says, while vLLM (model_executor/models/deepseek_v2.py) and SGLang (srt/models/deepseek_v2.py) build them with
+# config.rms_norm_eps. The two agree only at rms_norm_eps = 1e-6.
+LATENT_NORMS = ("q_a_layernorm", "kv_a_layernorm")
+
+
+def align_latent_norm_eps(layers: nn.ModuleList, rms_norm_eps: float) -> int:
+    """Give MLA latent norms the config's ``rms_norm_eps``, as the serving engines do; returns how many changed.
+
+    Why: the hf backend stands in for the engine that will serve the target, so its features must be the
+    engine's. On kimi-k25-mini (rms_norm_eps 1e-5) transformers' fixed 1e-6 put its layer outputs 3e-5 (median,
+    relative) away from vLLM's captured ones; with the config's eps they agree to ~1e-6.
+    """
+    changed = 0
+    for layer in layers:
+        attn = getattr(layer, "self_attn", None)
+        for name in LATENT_NORMS:
+            norm = getattr(attn, name, None)
+            if norm is None:
+                continue
+            for attr in ("variance_epsilon", "eps"):
+                if isinstance(getattr(norm, attr, None), float) and getattr(norm, attr) != rms_norm_eps:
+                    setattr(norm, attr, float(rms_norm_eps))
+                    changed += 1
+    return changed

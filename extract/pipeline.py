@@ -54,6 +54,7 @@ from extract.generated import (
     generated_samples,
     has_generation,
 )
+from extract.progress import Heartbeat
 from extract.records import Record, read_records, write_records_jsonl
 from extract.regen_engines import Regenerator, make_regenerator
 from extract.regenerate import regenerate_records
@@ -204,11 +205,21 @@ def load_backend(cfg: ExtractConfig, target_path: Path) -> TargetBackend:
             str(target_path), name=cfg.target, aux_layer_ids=aux, dtype=cfg.dtype, device=_device(cfg),
             trust_remote_code=cfg.trust_remote_code,
         )
+    if cfg.backend == "vllm":
+        from extract.backends.vllm import VLLMTarget
+
+        return VLLMTarget(
+            str(target_path), name=cfg.target, aux_layer_ids=aux, dtype=cfg.dtype, max_length=cfg.max_length,
+            python=cfg.engine_python or None, kv_cache_bytes=int(cfg.kv_cache_gb * (1 << 30)),
+            capture_dir=cfg.capture_dir or None, teacher_device=_device(cfg),
+            trust_remote_code=cfg.trust_remote_code, engine_args=cfg.engine_args,
+        )
     from extract.backends.sglang import SGLangTarget
 
     return SGLangTarget(
         str(target_path), name=cfg.target, aux_layer_ids=aux, tp_size=cfg.tp_size, ep_size=cfg.ep_size,
         dtype=cfg.dtype, max_length=cfg.max_length, trust_remote_code=cfg.trust_remote_code,
+        engine_kwargs=cfg.engine_args,
     )
 
 
@@ -305,7 +316,7 @@ def extract_shard(
     is written before the shard is renamed into place, so a shard at its final name always has one.
     """
     if cfg.regenerate:
-        with span("regenerate"):
+        with span("regenerate"), Heartbeat(f"regenerate shard {shard} ({len(records)} conversations)", unit="replies"):
             records = _regenerated_shard(cfg, out, shard, records, backend, regenerator)
     skipped: Counter = Counter()
     with span("tokenize"):
@@ -325,8 +336,8 @@ def extract_shard(
     teacher = TeacherSpec(kinds=tuple(cfg.teacher), topk=cfg.topk, chunk_tokens=cfg.chunk_tokens)
     problems: dict[int, str | None] = {}  # item index -> check of a sample built from generated ids
     truncated = 0
-    with ShardWriter(out, shard, hidden_dtype=cfg.hidden_dtype,
-                     num_aux=len(backend.info.aux_layer_ids)) as writer:
+    with ShardWriter(out, shard, hidden_dtype=cfg.hidden_dtype, num_aux=len(backend.info.aux_layer_ids)) as writer, \
+            Heartbeat(f"capture shard {shard}", total=len(keep), unit="samples") as beat:
         for batch in pack_batches([len(items[i].input_ids) for i in keep], cfg.batch_tokens):
             idx = [keep[j] for j in batch]
             with span("capture"):
@@ -349,6 +360,7 @@ def extract_shard(
                 # Let go of this batch's features before the next capture allocates its own.
                 del captured, cap, sample
             progress.tokens += sum(len(items[i].input_ids) for i in idx)
+            beat.advance(len(idx), sum(len(items[i].input_ids) for i in idx))
             progress.set_postfix(tok_s=f"{progress.tokens / max(progress.format_dict['elapsed'], 1e-9):.0f}",
                                  refresh=False)
         with span("write"):

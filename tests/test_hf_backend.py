@@ -236,3 +236,21 @@ def test_generation_stops_at_stop_ids(targets):
         expect = full[: full.index(stop) + 1] if stop in full else full
         assert out == expect
     assert cut[0][-1] == stop and len(cut[0]) <= 3
+
+
+def test_mla_latent_norms_take_the_configs_eps_as_the_engines_do(tmp_path):
+    """transformers' DeepseekV3 fixes q_a/kv_a_layernorm at eps 1e-6; vLLM and SGLang use rms_norm_eps. The hf
+    backend follows the engines (at 1e-5 the two computed layer outputs 3e-5 apart on kimi-k25-mini)."""
+    folder = make_tiny_deepseek_v3(tmp_path / "ds")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["rms_norm_eps"] = 1e-5
+    (folder / "config.json").write_text(json.dumps(cfg))
+    target = HFTarget(str(folder))
+    attn = [layer.self_attn for layer in target.decoder_layers]
+    assert all(a.q_a_layernorm.variance_epsilon == 1e-5 and a.kv_a_layernorm.variance_epsilon == 1e-5 for a in attn)
+    assert all(layer.input_layernorm.variance_epsilon == 1e-5 for layer in target.decoder_layers)
+    # transformers itself still builds them at 1e-6 (if it ever reads the config, this test says so)
+    from transformers import AutoModelForCausalLM
+
+    plain = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    assert plain.model.layers[0].self_attn.kv_a_layernorm.variance_epsilon == 1e-6  # what transformers does

@@ -61,6 +61,14 @@ class EngineSettings:
     max_num_seqs: int | None = None  # None: vLLM's default
     gpu_memory_utilization: float | None = None  # GPU only; None: vLLM's default (0.9 of the device)
     seed: int = 0
+    # Hidden-state capture (``extract --backend vllm``): vLLM's ``extract_hidden_states`` method with these layer
+    # ids in vLLM's convention (``core.layers.to_engine_layer_ids``), each request's states written under
+    # capture_dir by capture_connector: "auto" (redraft's own on a CPU, vLLM's stock one on a GPU), "redraft" or
+    # "stock". engine_args: further ``vllm.LLM`` keyword arguments (checked by the driver against capture).
+    capture_layer_ids: list[int] | None = None
+    capture_dir: str | None = None
+    capture_connector: str = "auto"
+    engine_args: dict[str, Any] | None = None
 
 
 def engine_python(explicit: str | None = None) -> tuple[str, str]:
@@ -194,25 +202,35 @@ class VLLMEngine:
         counters of that request (``num_drafts``, ``num_draft_tokens``, ``num_accepted_tokens``,
         ``num_accepted_tokens_per_pos``; requests then run one at a time)."""
         payload = [asdict(r) for r in requests]
-        n = len(payload)
-        t0 = time.perf_counter()
+        return self._call({"op": "generate", "requests": payload, "sequential": sequential, "counters": counters},
+                          len(payload), "requests")
 
+    def capture(self, prompts: list[list[int]]) -> list[dict[str, Any]]:
+        """Prefill each prompt once (an engine started with ``capture_layer_ids``); one row per prompt, in order:
+        ``hidden_states_path`` (a safetensors file of ``hidden_states`` [T, layers, H] and ``token_ids`` [T],
+        released by its ``.lock``; the caller reads and removes it) and ``num_prompt_tokens``."""
+        payload = [{"id": str(i), "prompt_token_ids": [int(t) for t in p]} for i, p in enumerate(prompts)]
+        return self._call({"op": "capture", "requests": payload}, len(payload), "prompts")
+
+    def _call(self, cmd: dict[str, Any], n: int, unit: str) -> list[dict[str, Any]]:
+        """Send one command and collect its result, logging progress every 15 s."""
+        t0 = time.perf_counter()
         last = [t0]
 
         def progress(done: int, of: int) -> None:  # a line per 15 s and one at the end
             now = time.perf_counter()
             if done == of or now - last[0] >= 15:
                 last[0] = now
-                log.info("%s: %d/%d requests (%.0f s)", self.what, done, of, now - t0)
+                log.info("%s: %d/%d %s (%.0f s)", self.what, done, of, unit, now - t0)
 
         if self._driver is not None:
-            return self._driver.generate(payload, sequential=sequential, counters=counters, progress=progress)
+            return self._driver.run(cmd, progress=progress)
         if self._proc is None:
             raise EngineError(f"{self.what}: the engine was closed")
         try:
-            self._send({"op": "generate", "requests": payload, "sequential": sequential, "counters": counters})
+            self._send(cmd)
             while True:
-                msg = self._wait(("progress", "result"), t0, f"{n} requests")
+                msg = self._wait(("progress", "result"), t0, f"{n} {unit}")
                 if msg["event"] == "result":
                     return list(msg["results"])
                 progress(int(msg["done"]), int(msg["of"]))

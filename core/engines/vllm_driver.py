@@ -7,7 +7,9 @@ only. :class:`Driver` is also used in-process when the running python has ``vllm
 Protocol: one JSON object per line. The first line on stdin is the engine settings (``target``,
 ``drafter`` or null, ``steps``, ``dtype``, ``max_model_len``, ``kv_cache_bytes``, ``max_num_seqs``,
 ``gpu_memory_utilization``, ``seed``); the driver answers ``{"event": "ready", "vllm_version", "load_seconds"}``. Then each
-``{"op": "generate", "requests": [...], "sequential": bool, "counters": bool}`` is answered by
+``{"op": "generate", "requests": [...], "sequential": bool, "counters": bool}`` (or, for an engine started with
+``capture_layer_ids``, ``{"op": "capture", "requests": [{"id", "prompt_token_ids"}]}``: rows name the file
+holding each prompt's hidden states) is answered by
 ``{"event": "progress", "done", "of"}`` lines and one ``{"event": "result", "results": [...]}``;
 ``{"op": "exit"}`` ends it. A failure is ``{"event": "error", "error": traceback}``. The protocol
 goes to a private copy of stdout; fd 1 itself is pointed at stderr before vLLM loads, so nothing
@@ -47,6 +49,52 @@ def read_counters(llm: Any, steps: int) -> dict[str, Any]:
     return out
 
 
+PLUGINS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_plugins")
+CAPTURE_KEYS = ("speculative_config", "kv_transfer_config")
+STOCK_CONNECTOR = "ExampleHiddenStatesConnector"
+OWN_CONNECTOR = ("RedraftCaptureConnector", "redraft_capture_connector")  # class, module under PLUGINS
+
+
+def capture_kwargs(engine_layer_ids: list[int], storage: str, connector: str, on_cpu: bool) -> dict[str, Any]:
+    """``LLM`` arguments for vLLM's hidden-state extraction: ``extract_hidden_states`` keeps the states of
+    ``engine_layer_ids`` (vLLM's convention) in a cache-only KV layer, and the connector writes each finished
+    request's prompt states to ``storage``. connector "auto": the stock one on GPUs, redraft's own
+    (``vllm_plugins/redraft_capture_connector.py``, a synchronous write) on a CPU, where the stock one's CUDA
+    streams and pinned memory fail."""
+    if connector not in ("auto", "redraft", "stock"):
+        raise ValueError(f"capture_connector: expected auto, redraft or stock, got {connector!r}")
+    own = connector == "redraft" or (connector == "auto" and on_cpu)
+    transfer: dict[str, Any] = {"kv_connector": STOCK_CONNECTOR, "kv_role": "kv_producer",
+                                "kv_connector_extra_config": {"shared_storage_path": storage}}
+    if own:
+        if PLUGINS not in sys.path:
+            sys.path.insert(0, PLUGINS)
+        paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        if PLUGINS not in paths:  # the engine core and the workers import the connector too
+            os.environ["PYTHONPATH"] = os.pathsep.join([PLUGINS, *paths])
+        transfer.update(kv_connector=OWN_CONNECTOR[0], kv_connector_module_path=OWN_CONNECTOR[1])
+    return {
+        "speculative_config": {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                               "draft_model_config": {"hf_config": {
+                                   "eagle_aux_hidden_state_layer_ids": sorted(engine_layer_ids)}}},
+        "kv_transfer_config": transfer,
+    }
+
+
+def release_capture(path: str) -> None:
+    """Wait for a capture file's writer (its ``.lock``, as vLLM's ``load_hidden_states`` does) and remove
+    both: for requests whose states nobody reads (regeneration in a capturing engine)."""
+    import fcntl
+
+    lock = path + ".lock"
+    if os.path.exists(lock):
+        with open(lock) as f:
+            fcntl.flock(f, fcntl.LOCK_SH)
+        os.remove(lock)
+    if os.path.exists(path):
+        os.remove(path)
+
+
 def sampling_params(req: dict[str, Any]) -> Any:
     """vLLM SamplingParams for one request; every knob explicit (no model generation_config defaults)."""
     from vllm import SamplingParams
@@ -65,6 +113,9 @@ def sampling_params(req: dict[str, Any]) -> Any:
 
 
 def _row(req: dict[str, Any], out: Any, seconds: float) -> dict[str, Any]:
+    path = (getattr(out, "kv_transfer_params", None) or {}).get("hidden_states_path")
+    if path:  # a capturing engine also wrote this request's prompt states: nobody asked for them
+        release_capture(str(path))
     o = out.outputs[0]
     ids = [int(t) for t in o.token_ids]
     stop = getattr(o, "stop_reason", None)
@@ -101,6 +152,17 @@ class Driver:
         if self.drafter:
             kwargs["speculative_config"] = {"method": "eagle3", "model": self.drafter,
                                             "num_speculative_tokens": self.steps}
+        self.capture_dir: str | None = None
+        if settings.get("capture_layer_ids"):
+            if self.drafter:
+                raise ValueError("capture_layer_ids and a drafter exclude each other (both are speculative methods)")
+            self.capture_dir = str(settings["capture_dir"])
+            kwargs.update(capture_kwargs([int(i) for i in settings["capture_layer_ids"]], self.capture_dir,
+                                         settings.get("capture_connector", "auto"), current_platform.is_cpu()))
+        for key, value in (settings.get("engine_args") or {}).items():
+            if key in kwargs and key in CAPTURE_KEYS and self.capture_dir:
+                raise ValueError(f"engine_args[{key!r}] would change the hidden-state capture; redraft sets it")
+            kwargs[key] = value
         t0 = time.perf_counter()
         self.llm = LLM(**kwargs)
         self.load_seconds = time.perf_counter() - t0
@@ -118,6 +180,37 @@ class Driver:
         import gc
 
         gc.collect()
+
+    def run(self, cmd: dict[str, Any], progress: Callable[[int, int], None] | None = None) -> list[dict[str, Any]]:
+        """One protocol command (``generate`` or ``capture``) -> its result rows."""
+        if cmd.get("op") == "capture":
+            return self.capture(cmd["requests"], progress=progress)
+        if cmd.get("op") == "generate":
+            return self.generate(cmd["requests"], sequential=bool(cmd.get("sequential")),
+                                 counters=bool(cmd.get("counters")), progress=progress)
+        raise ValueError(f"unknown op {cmd.get('op')!r}")
+
+    def capture(self, requests: list[dict[str, Any]],
+                progress: Callable[[int, int], None] | None = None) -> list[dict[str, Any]]:
+        """Prefill every prompt once (one greedy token, which is discarded); rows carry the connector's file."""
+        if self.capture_dir is None:
+            raise ValueError("capture: this engine was not started with capture_layer_ids")
+        from vllm import SamplingParams
+
+        if not requests:
+            return []
+        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+        outs = self.llm.generate([{"prompt_token_ids": r["prompt_token_ids"]} for r in requests], params,
+                                 use_tqdm=_progress_bar(progress, len(requests)))
+        rows = []
+        for req, out in zip(requests, outs, strict=True):
+            path = (getattr(out, "kv_transfer_params", None) or {}).get("hidden_states_path")
+            if not path:
+                raise RuntimeError(f"request {req['id']}: vLLM returned no hidden_states_path (kv_transfer_params "
+                                   f"{getattr(out, 'kv_transfer_params', None)!r})")
+            rows.append({"id": req["id"], "hidden_states_path": str(path),
+                         "num_prompt_tokens": len(out.prompt_token_ids or [])})
+        return rows
 
     def generate(self, requests: list[dict[str, Any]], *, sequential: bool = False, counters: bool = False,
                  progress: Callable[[int, int], None] | None = None) -> list[dict[str, Any]]:
@@ -204,9 +297,7 @@ def serve(inp: Any, proto: Any) -> int:
         if cmd.get("op") == "exit":
             break
         try:
-            rows = driver.generate(cmd["requests"], sequential=bool(cmd.get("sequential")),
-                                   counters=bool(cmd.get("counters")),
-                                   progress=lambda done, of: send({"event": "progress", "done": done, "of": of}))
+            rows = driver.run(cmd, progress=lambda done, of: send({"event": "progress", "done": done, "of": of}))
         except Exception:
             send({"event": "error", "error": traceback.format_exc()})
             return 1

@@ -20,7 +20,7 @@ from torch import nn
 from core import layers
 from core.target_weights import text_config, weight_key_candidates
 from extract.backends.base import Captured, GenerationConfig, TargetBackend, TargetInfo, TeacherSpec
-from extract.model_layout import find_decoder_layers, find_lm_head, find_text_model
+from extract.model_layout import align_latent_norm_eps, find_decoder_layers, find_lm_head, find_text_model
 from extract.teacher import chunked_topk_logprobs
 from extract.timing import span
 
@@ -148,6 +148,10 @@ class HFTarget(TargetBackend):
         num_layers = int(text_cfg.num_hidden_layers)
         if len(self.decoder_layers) != num_layers:
             raise ValueError(f"config says {num_layers} layers but the model has {len(self.decoder_layers)}")
+        eps = float(getattr(text_cfg, "rms_norm_eps", 1e-6))
+        if align_latent_norm_eps(self.decoder_layers, eps):
+            log.info("MLA latent norms (q_a/kv_a_layernorm) set to rms_norm_eps=%g, as vLLM and SGLang serve them "
+                     "(transformers fixes them at 1e-6)", eps)
         architecture = (getattr(config, "architectures", None) or [type(self.model).__name__])[0]
         ids = layers.default_aux_layer_ids(num_layers, architecture) if aux_layer_ids is None else aux_layer_ids
         ids = layers.validate_aux_layer_ids(ids, num_layers)
