@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from extract.backends.base import GenerationConfig, TargetBackend
+from extract.progress import advance
 from extract.timing import span
 
 log = logging.getLogger(__name__)
@@ -76,11 +77,13 @@ class BackendRegenerator(Regenerator):
             chunk = [list(p) for p in prompts[start : start + gen.batch_size]]
             budget = min(budgets[start : start + gen.batch_size])
             if seeds is None:
-                out += self.backend.generate(chunk, replace(gen, max_new_tokens=budget), list(stops))
+                new = self.backend.generate(chunk, replace(gen, max_new_tokens=budget), list(stops))
             else:  # per-prompt seeds where the backend samples per request (SGLang); hf draws a batch from one
                 batch_seeds = [int(s) for s in seeds[start : start + gen.batch_size]]
-                out += self.backend.generate(chunk, replace(gen, max_new_tokens=budget, seed=batch_seeds[0]),
-                                             list(stops), seeds=batch_seeds)
+                new = self.backend.generate(chunk, replace(gen, max_new_tokens=budget, seed=batch_seeds[0]),
+                                            list(stops), seeds=batch_seeds)
+            advance(len(new), sum(len(o) for o in new))
+            out += new
         return out
 
 
@@ -157,7 +160,9 @@ class VLLMRegenerator(Regenerator):
         if not prompts:
             return []
         rows = self.start().generate(_requests(prompts, budgets, gen, stops, seeds))
-        return checked_outputs(rows, budgets, stops, "vLLM")
+        out = checked_outputs(rows, budgets, stops, "vLLM")
+        advance(len(out), sum(len(o) for o in out))
+        return out
 
     def describe(self) -> dict[str, Any]:
         version = self.engine.version if self.engine is not None else None
@@ -187,7 +192,9 @@ class ServerRegenerator(Regenerator):
             return []
         rows = self.server.generate(_requests(prompts, budgets, gen, stops, seeds))
         info = self.server.info
-        return checked_outputs(rows, budgets, stops, f"{info.api if info else 'the'} server {self.server.url}")
+        out = checked_outputs(rows, budgets, stops, f"{info.api if info else 'the'} server {self.server.url}")
+        advance(len(out), sum(len(o) for o in out))
+        return out
 
     def describe(self) -> dict[str, Any]:
         info = self.server.info

@@ -37,6 +37,7 @@ from core.embedded import SELF_DATA
 from extract.backends.base import GenerationConfig
 from extract.chat import chat_template_hash, sha256_json, stop_token_ids, tokenizer_hash, user_turn_prefix
 from extract.decontaminate import eval_prompts
+from extract.progress import Heartbeat
 from extract.prompt_filters import DROP_REASONS, EvalSet, FilterSettings, PromptFilter
 from extract.records import Message, Record, write_records_jsonl
 from extract.regen_engines import Regenerator
@@ -106,8 +107,10 @@ class SelfPromptOptions:
     @classmethod
     def from_config(cls, cfg: Any) -> SelfPromptOptions:
         return cls(
-            prompts=cfg.self_prompts,
-            max_samples=cfg.self_max_samples or 4 * cfg.self_prompts,
+            # --max-samples N uses at most N records, so no more than N prompts are wanted (or sampled for)
+            prompts=min(cfg.self_prompts, cfg.max_samples) if cfg.max_samples else cfg.self_prompts,
+            max_samples=cfg.self_max_samples or 4 * (min(cfg.self_prompts, cfg.max_samples) if cfg.max_samples
+                                                     else cfg.self_prompts),
             categories=resolve_categories(cfg.self_categories),
             temperature=cfg.self_temperature,
             top_p=cfg.self_top_p,
@@ -254,18 +257,21 @@ def synthesise(cfg: Any, out: Path, tokenizer: Any, regenerator: Callable[[], Re
     judge(samples)
     stops = stop_token_ids(tokenizer)
     engine: Regenerator | None = None
-    while len(survivors) < opts.prompts and len(samples) < opts.max_samples:
-        rate = max(len(survivors) / len(samples), 0.1) if samples else 1.0
-        count = min(CHUNK, opts.max_samples - len(samples), math.ceil((opts.prompts - len(survivors)) / rate))
-        engine = engine or regenerator()
-        rows = _sample(engine, tokenizer, opts, starts, len(samples), count, cfg.gen_batch_size, stops)
-        path = folder / f"chunk-{len(samples):09d}.jsonl"
-        atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-        samples += rows
-        judge(rows)
-        dropped = {k: v for k, v in sorted(filt.counts.items()) if k != "kept"}
-        log.info("self prompts: %d sampled, %d of %d wanted survive the filters; dropped %s", len(samples),
-                 min(len(survivors), opts.prompts), opts.prompts, dropped or "none")
+    beat = Heartbeat(f"self prompts ({opts.prompts} wanted)", total=opts.max_samples, unit="drawn (at most)")
+    beat.advance(len(samples))
+    with beat:
+        while len(survivors) < opts.prompts and len(samples) < opts.max_samples:
+            rate = max(len(survivors) / len(samples), 0.1) if samples else 1.0
+            count = min(CHUNK, opts.max_samples - len(samples), math.ceil((opts.prompts - len(survivors)) / rate))
+            engine = engine or regenerator()
+            rows = _sample(engine, tokenizer, opts, starts, len(samples), count, cfg.gen_batch_size, stops)
+            path = folder / f"chunk-{len(samples):09d}.jsonl"
+            atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+            samples += rows
+            judge(rows)
+            dropped = {k: v for k, v in sorted(filt.counts.items()) if k != "kept"}
+            log.info("self prompts: %d sampled, %d of %d wanted survive the filters; dropped %s", len(samples),
+                     min(len(survivors), opts.prompts), opts.prompts, dropped or "none")
     kept = survivors[: opts.prompts]
     if len(kept) < opts.prompts:
         log.warning("self prompts: only %d of %d wanted survived %d samples (--self-max-samples); "
