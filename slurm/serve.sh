@@ -36,7 +36,13 @@ set -euo pipefail
 
 REPO=${REDRAFT_REPO:-${SLURM_SUBMIT_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}}
 cd "$REPO"
-PYTHON=${PYTHON:-$REPO/.venv/bin/python}
+# The interpreter: PYTHON, else (in a Slurm job) REDRAFT_ENGINE_PYTHON, the venv with SGLang on the GPU nodes,
+# else this checkout's .venv; a server start stops here when that python has no SGLang (--dry-run does not).
+if [[ -n "${SLURM_JOB_ID:-}" ]]; then
+  PYTHON=${PYTHON:-${REDRAFT_ENGINE_PYTHON:-$REPO/.venv/bin/python}}
+else
+  PYTHON=${PYTHON:-$REPO/.venv/bin/python}
+fi
 log() { echo "[slurm/serve.sh] $*" >&2; }
 die() { log "error: $*"; exit 2; }
 
@@ -158,6 +164,9 @@ if [[ "$DRY_RUN" == 1 ]]; then
   echo "${CMD[*]}"
   exit 0
 fi
+[[ -x "$PYTHON" ]] || die "PYTHON=$PYTHON is not an executable interpreter; set PYTHON (or REDRAFT_ENGINE_PYTHON) to the python of the venv with redraft[sglang]"
+"$PYTHON" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('sglang') is None)" \
+  || die "$PYTHON has no SGLang; set PYTHON (or REDRAFT_ENGINE_PYTHON) to the python of the venv with redraft[sglang]"
 log "$MODE server on $(hostname):$PORT (loading Kimi-K2.5 takes 5-10 minutes); benchmark it with"
 log "  python -m eval.serving --${MODE/eagle3/eagle} http://$(hostname):$PORT --tokenizer $TARGET --trust-remote-code"
 log "${CMD[*]}"

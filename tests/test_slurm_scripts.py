@@ -20,7 +20,7 @@ def _clean_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     """No SLURM_* variables and a PATH without scontrol/srun/nvidia-smi unless a test adds fakes."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    for tool in ("bash", "hostname", "head", "dirname", "wc", "cat"):
+    for tool in ("bash", "hostname", "head", "dirname", "wc", "cat", "sed", "tail"):
         found = shutil.which(tool)
         if found and not (bin_dir / tool).exists():
             (bin_dir / tool).symlink_to(found)
@@ -236,3 +236,30 @@ def test_train_outside_slurm_really_trains_and_resumes(tmp_path):
     state = json.loads((out / "step-0000004" / "trainer_state.json").read_text())
     assert state["world_size"] == 2
     assert "resum" in (run.stdout + run.stderr).lower()
+
+
+def test_extract_in_slurm_stops_when_the_python_has_no_sglang(tmp_path):
+    """The Kimi config asks for SGLang; this test's python has none: the job stops before it starts, naming it."""
+    env = _clean_env(tmp_path, SLURM_JOB_ID="1")
+    del env["PYTHON"]
+    env["REDRAFT_ENGINE_PYTHON"] = sys.executable
+    r = _run("extract.sh", [], env)
+    assert r.returncode == 2
+    assert f"{sys.executable} has no SGLang" in r.stderr and "REDRAFT_ENGINE_PYTHON" in r.stderr
+
+
+def test_extract_names_a_python_that_is_not_there(tmp_path):
+    r = _run("extract.sh", ["--backend", "sglang"], _clean_env(tmp_path, PYTHON=str(tmp_path / "nope" / "python")))
+    assert r.returncode == 2 and "PYTHON=" in r.stderr and "is not an executable" in r.stderr
+
+
+def test_extract_backend_flag_overrides_the_config_for_the_engine_check(tmp_path):
+    r = _run("extract.sh", ["--backend=sglang", "--help"], _clean_env(tmp_path))
+    assert r.returncode == 2 and "backend sglang" in r.stderr
+    r = _run("extract.sh", ["--help"], _clean_env(tmp_path))  # the demo config: hf, no engine to check
+    assert r.returncode == 0 and "--backend" in r.stdout
+
+
+def test_serve_stops_when_the_python_has_no_sglang(tmp_path):
+    r = _run("serve.sh", ["--base", "--target", str(tmp_path)], _clean_env(tmp_path))
+    assert r.returncode == 2 and "has no SGLang" in r.stderr

@@ -133,10 +133,13 @@ def build_engine_kwargs(
     if multimodal:
         if architecture in language_model_only_architectures:
             kwargs["language_model_only"] = True  # skip the vision tower: text-only capture
-        else:
+        elif not (engine_kwargs or {}).get("language_only"):
             log.warning(
-                "%s is multimodal but this SGLang does not support --language-model-only for it; the vision "
-                "encoder is loaded too (costs memory, does not change the captured text features)", architecture,
+                "%s is multimodal and this SGLang does not accept language_model_only for it, so the vision encoder "
+                "is loaded too (memory only: the captured text features do not change). In SGLang 0.5.23 "
+                "KimiK25ForConditionalGeneration builds its MoonViT tower in any case; engine_args "
+                "{\"language_only\": true} skips loading its weights, but that flag belongs to SGLang's encoder "
+                "disaggregation and also starts its encoder bootstrap server (docs/kimi-k25.md)", architecture,
             )
     for key, value in (engine_kwargs or {}).items():
         if key in _CAPTURE_CRITICAL and kwargs.get(key) != value:
