@@ -99,6 +99,19 @@ def test_language_model_only_only_for_multimodal_architectures_sglang_supports()
     assert kw["language_model_only"] is True
 
 
+def test_kimi_vision_tower_warning_and_the_language_only_way_out(caplog):
+    """SGLang 0.5.23 can only skip loading Kimi-K2.5's tower weights through language_only (a user's choice)."""
+    base = dict(engine_layer_ids=[2, 30, 58], architecture="KimiK25ForConditionalGeneration", multimodal=True)
+    with caplog.at_level("WARNING", logger="extract.backends.sglang"):
+        build_engine_kwargs("/m", **base)
+    assert "language_only" in caplog.text and "vision encoder is loaded" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="extract.backends.sglang"):
+        kw = build_engine_kwargs("/m", engine_kwargs={"language_only": True, "context_length": 8192}, **base)
+    assert kw["language_only"] is True and kw["context_length"] == 8192 and "language_model_only" not in kw
+    assert "vision encoder" not in caplog.text
+
+
 def test_engine_kwargs_accept_extras_but_refuse_to_break_capture():
     base = dict(engine_layer_ids=[1, 2, 3], architecture="LlamaForCausalLM", max_length=4096)
     kw = build_engine_kwargs("/m", engine_kwargs={"attention_backend": "fa3", "chunked_prefill_size": 8192}, **base)

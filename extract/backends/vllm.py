@@ -155,19 +155,24 @@ class VLLMTarget(TargetBackend):
         n_layers, hidden = len(self.plan.engine_ids), self.info.hidden_size
         blocks = [read_capture_file(r["hidden_states_path"], seq, n_layers, hidden)
                   for r, seq in zip(rows, batch, strict=True)]
-        return [self._features(block, teacher) for block in blocks]
+        return self._features(torch.cat(blocks), [len(seq) for seq in batch], teacher)
 
     @torch.inference_mode()
-    def _features(self, block: torch.Tensor, teacher: TeacherSpec) -> Captured:
+    def _features(self, block: torch.Tensor, lengths: list[int], teacher: TeacherSpec) -> list[Captured]:
+        """The batch's [sum T, layers, H] block -> per-sequence Captured; the norm and the teacher run once for
+        the whole batch (one large matmul, not one per sequence)."""
         aux = block[:, list(self.plan.aux_index)].to(torch.float32).reshape(block.shape[0], -1)
         final = self.final_norm(block[:, self.plan.end_index].to(self.device, torch.float32))
         ids = lps = None
         if "topk" in teacher.kinds:
             with span("teacher"):
                 ids, lps = chunked_topk_logprobs(final, self.lm_head_weight, teacher.topk, teacher.chunk_tokens)
-                ids, lps = ids.cpu(), lps.cpu()
-        return Captured(aux_hidden=aux.contiguous(), topk_ids=ids, topk_logprobs=lps,
-                        last_hidden=final.to("cpu").clone() if "last_hidden" in teacher.kinds else None)
+                ids, lps = ids.cpu().split(lengths), lps.cpu().split(lengths)
+        lasts = final.to("cpu").split(lengths) if "last_hidden" in teacher.kinds else None
+        return [Captured(aux_hidden=a, topk_ids=None if ids is None else ids[i],
+                         topk_logprobs=None if lps is None else lps[i],
+                         last_hidden=None if lasts is None else lasts[i])
+                for i, a in enumerate(aux.split(lengths))]
 
     def generate(self, prompts: list[list[int]], gen: GenerationConfig, stop_ids: list[int],
                  seeds: list[int] | None = None) -> list[list[int]]:
