@@ -135,7 +135,7 @@ class ExtractConfig:
     self_decontaminate: list[str] = _opt(["mtbench"], "--data self: evaluation inputs (built-in names or files) "
                                                       "whose user turns no kept prompt may be close to.")
     dtype: str = _opt("float32", "Target compute dtype: float32 or bfloat16.", choices=("float32", "bfloat16"))
-    device: str = _opt("auto", "Device for the hf backend: auto, cpu or cuda.")
+    device: str = _opt("auto", "Device for the hf backend, and for --backend vllm's teacher (final norm + lm_head): auto, cpu or cuda.")
     trust_remote_code: bool = _opt(False, "Allow the target folder's own Python code to run (off unless you trust it).")
     tp_size: int = _opt(1, "sglang backend: tensor-parallel size.")
     ep_size: int = _opt(1, "sglang backend: expert-parallel size.")
