@@ -359,8 +359,9 @@ def extract_shard(
                     done(i)
                 # Let go of this batch's features before the next capture allocates its own.
                 del captured, cap, sample
-            progress.tokens += sum(len(items[i].input_ids) for i in idx)
-            beat.advance(len(idx), sum(len(items[i].input_ids) for i in idx))
+            batch_tokens = sum(len(items[i].input_ids) for i in idx)
+            progress.tokens += batch_tokens
+            beat.advance(len(idx), batch_tokens)
             progress.set_postfix(tok_s=f"{progress.tokens / max(progress.format_dict['elapsed'], 1e-9):.0f}",
                                  refresh=False)
         with span("write"):

@@ -93,7 +93,7 @@ def request_seed(seed: int, prompt: Sequence[int]) -> int:
     return (seed + int.from_bytes(digest[:7], "big")) % (1 << 62)
 
 
-def _requests(prompts: Sequence[Sequence[int]], budgets: Sequence[int], gen: GenerationConfig,
+def token_requests(prompts: Sequence[Sequence[int]], budgets: Sequence[int], gen: GenerationConfig,
               stops: Sequence[int], seeds: Sequence[int] | None = None) -> list[Any]:
     from core.engines.request import TokenRequest
 
@@ -159,7 +159,7 @@ class VLLMRegenerator(Regenerator):
                  stops: Sequence[int], seeds: Sequence[int] | None = None) -> list[list[int]]:
         if not prompts:
             return []
-        rows = self.start().generate(_requests(prompts, budgets, gen, stops, seeds))
+        rows = self.start().generate(token_requests(prompts, budgets, gen, stops, seeds))
         out = checked_outputs(rows, budgets, stops, "vLLM")
         advance(len(out), sum(len(o) for o in out))
         return out
@@ -190,7 +190,7 @@ class ServerRegenerator(Regenerator):
                  stops: Sequence[int], seeds: Sequence[int] | None = None) -> list[list[int]]:
         if not prompts:
             return []
-        rows = self.server.generate(_requests(prompts, budgets, gen, stops, seeds))
+        rows = self.server.generate(token_requests(prompts, budgets, gen, stops, seeds))
         info = self.server.info
         out = checked_outputs(rows, budgets, stops, f"{info.api if info else 'the'} server {self.server.url}")
         advance(len(out), sum(len(o) for o in out))

@@ -106,11 +106,11 @@ class SelfPromptOptions:
 
     @classmethod
     def from_config(cls, cfg: Any) -> SelfPromptOptions:
+        # --max-samples N uses at most N records, so no more than N prompts are wanted (or sampled for)
+        wanted = min(cfg.self_prompts, cfg.max_samples) if cfg.max_samples else cfg.self_prompts
         return cls(
-            # --max-samples N uses at most N records, so no more than N prompts are wanted (or sampled for)
-            prompts=min(cfg.self_prompts, cfg.max_samples) if cfg.max_samples else cfg.self_prompts,
-            max_samples=cfg.self_max_samples or 4 * (min(cfg.self_prompts, cfg.max_samples) if cfg.max_samples
-                                                     else cfg.self_prompts),
+            prompts=wanted,
+            max_samples=cfg.self_max_samples or 4 * wanted,
             categories=resolve_categories(cfg.self_categories),
             temperature=cfg.self_temperature,
             top_p=cfg.self_top_p,

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from extract.timing import span
+
 
 @torch.inference_mode()
 def chunked_topk_logprobs(
@@ -49,3 +51,14 @@ def chunked_topk_logprobs(
         logprobs[start:stop] = top.values - lse
         del logits, lse, top
     return ids, logprobs
+
+
+def topk_per_sequence(
+    final: torch.Tensor, lengths: list[int], lm_head_weight: torch.Tensor, k: int, chunk_tokens: int = 512,
+    lm_head_bias: torch.Tensor | None = None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The top-k teacher of a batch's real tokens (``final``: [sum of lengths, H], post-norm), one matmul for the
+    batch, split back into per-sequence (ids, logprobs) on the CPU. Timed as the stage's ``teacher`` part."""
+    with span("teacher"):
+        ids, lps = chunked_topk_logprobs(final, lm_head_weight, k, chunk_tokens, lm_head_bias=lm_head_bias)
+        return list(ids.cpu().split(lengths)), list(lps.cpu().split(lengths))

@@ -21,7 +21,7 @@ from extract.config import ExtractConfig, parse_args
 from extract.pipeline import run_extraction
 from extract.prompt_filters import EvalSet, FilterSettings
 from extract.records import read_records
-from extract.regen_engines import _requests
+from extract.regen_engines import token_requests
 from extract.self_prompts import (
     CATEGORY_TOPICS,
     RECIPE_NAME,
@@ -80,9 +80,9 @@ def test_per_prompt_seeds_reach_every_engine_request():
     prompts = [[1, 2, 3]] * 4  # the same prefix four times: only the seeds tell them apart
     seeds = [prompt_seed(3, i) for i in range(4)]
     assert len(set(seeds)) == 4 and all(0 <= s < 2**31 for s in seeds)
-    reqs = _requests(prompts, [8] * 4, gen, [0], seeds)
+    reqs = token_requests(prompts, [8] * 4, gen, [0], seeds)
     assert [r.seed for r in reqs] == seeds
-    assert len({r.seed for r in _requests(prompts, [8] * 4, gen, [0])}) == 1  # default: derived from the ids
+    assert len({r.seed for r in token_requests(prompts, [8] * 4, gen, [0])}) == 1  # default: derived from the ids
     params = generation_request(prompts, gen, [0], seeds)["sampling_params"]
     assert [p["sampling_seed"] for p in params] == seeds and all(p["top_p"] == 0.9 for p in params)
 

@@ -22,7 +22,7 @@ import torch
 from helpers_embedded import kimi_mini_dir, smollm2_dir
 from helpers_embedded import vllm_venv_python as venv_python
 
-from benchmarks.capture_speed import compare_captures
+from benchmarks.capture_speed import _row_rel, compare_captures
 from core.dataset.reader import DatasetReader
 from core.embedded import mtbench_records
 from extract.backends.base import TeacherSpec
@@ -49,10 +49,6 @@ def _sequences(tokenizer) -> list[list[int]]:
     g = torch.Generator().manual_seed(0)
     seqs.append(torch.randint(200, min(40000, tokenizer.vocab_size), (700,), generator=g).tolist())
     return seqs
-
-
-def _row_rel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return (a - b).norm(dim=-1) / a.norm(dim=-1).clamp_min(1e-12)
 
 
 @pytest.fixture(scope="module", params=["smollm2-135m-instruct", "kimi-k25-mini"])

@@ -81,18 +81,29 @@ def capture_kwargs(engine_layer_ids: list[int], storage: str, connector: str, on
     }
 
 
-def release_capture(path: str) -> None:
-    """Wait for a capture file's writer (its ``.lock``, as vLLM's ``load_hidden_states`` does) and remove
-    both: for requests whose states nobody reads (regeneration in a capturing engine)."""
+def wait_for_capture(path: str) -> None:
+    """Return once a capture file's writer is done: it holds LOCK_EX on ``path + ".lock"`` while writing (the
+    stock connector writes from a thread), so a shared lock sleeps until then, as vLLM's ``load_hidden_states``."""
     import fcntl
 
     lock = path + ".lock"
     if os.path.exists(lock):
         with open(lock) as f:
             fcntl.flock(f, fcntl.LOCK_SH)
-        os.remove(lock)
-    if os.path.exists(path):
-        os.remove(path)
+
+
+def remove_capture(path: str) -> None:
+    """Remove a capture file and its lock (whichever exist)."""
+    for p in (path, path + ".lock"):
+        if os.path.exists(p):
+            os.remove(p)
+
+
+def release_capture(path: str) -> None:
+    """Wait for a capture file's writer and remove it: for requests whose states nobody reads (regeneration in
+    a capturing engine)."""
+    wait_for_capture(path)
+    remove_capture(path)
 
 
 def sampling_params(req: dict[str, Any]) -> Any:

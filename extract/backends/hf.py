@@ -21,8 +21,7 @@ from core import layers
 from core.target_weights import text_config, weight_key_candidates
 from extract.backends.base import Captured, GenerationConfig, TargetBackend, TargetInfo, TeacherSpec
 from extract.model_layout import align_latent_norm_eps, find_decoder_layers, find_lm_head, find_text_model
-from extract.teacher import chunked_topk_logprobs
-from extract.timing import span
+from extract.teacher import topk_per_sequence
 
 log = logging.getLogger(__name__)
 
@@ -253,12 +252,8 @@ class HFTarget(TargetBackend):
         topk_ids: list[torch.Tensor] | None = None
         topk_lp: list[torch.Tensor] | None = None
         if "topk" in teacher.kinds:
-            with span("teacher"):
-                ids, lps = chunked_topk_logprobs(
-                    torch.cat(rows), self.lm_head.weight, teacher.topk, teacher.chunk_tokens,
-                    lm_head_bias=getattr(self.lm_head, "bias", None),
-                )
-                topk_ids, topk_lp = list(ids.cpu().split(lengths)), list(lps.cpu().split(lengths))
+            topk_ids, topk_lp = topk_per_sequence(torch.cat(rows), lengths, self.lm_head.weight, teacher.topk,
+                                                  teacher.chunk_tokens, getattr(self.lm_head, "bias", None))
         out = []
         for b, n in enumerate(lengths):
             out.append(

@@ -20,10 +20,8 @@ for those requests are removed by the driver.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
-import os
 import shutil
 import tempfile
 from collections.abc import Sequence
@@ -39,7 +37,7 @@ from core.drafter.modeling import RMSNorm
 from core.target_weights import final_norm_key_candidates, read_target_tensor
 from extract.backends.base import Captured, GenerationConfig, TargetBackend, TeacherSpec
 from extract.backends.sglang import read_target_info
-from extract.teacher import chunked_topk_logprobs
+from extract.teacher import topk_per_sequence
 from extract.timing import span
 
 log = logging.getLogger(__name__)
@@ -65,19 +63,16 @@ def read_capture_file(path: str | Path, expected_ids: Sequence[int], num_layers:
                       hidden_size: int) -> torch.Tensor:
     """The [T, layers, H] block of one capture file, after its writer released the ``.lock`` (the stock
     connector writes from a thread); refused unless its ``token_ids`` are the prompt's. Removes both files."""
+    from core.engines.vllm_driver import remove_capture, wait_for_capture
+
     path = str(path)
-    lock = path + ".lock"
-    if os.path.exists(lock):
-        with open(lock) as f:
-            fcntl.flock(f, fcntl.LOCK_SH)  # sleeps until the writer's LOCK_EX is gone
+    wait_for_capture(path)
     try:
         data = load_file(path)
     except (OSError, ValueError) as e:
         raise ValueError(f"{path}: cannot read vLLM's hidden-state file: {e}") from e
     finally:
-        for p in (path, lock):
-            if os.path.exists(p):
-                os.remove(p)
+        remove_capture(path)
     hidden, ids = data.get("hidden_states"), data.get("token_ids")
     if hidden is None or ids is None:
         raise ValueError(f"{path}: expected tensors hidden_states and token_ids, found {sorted(data)}")
@@ -165,9 +160,7 @@ class VLLMTarget(TargetBackend):
         final = self.final_norm(block[:, self.plan.end_index].to(self.device, torch.float32))
         ids = lps = None
         if "topk" in teacher.kinds:
-            with span("teacher"):
-                ids, lps = chunked_topk_logprobs(final, self.lm_head_weight, teacher.topk, teacher.chunk_tokens)
-                ids, lps = ids.cpu().split(lengths), lps.cpu().split(lengths)
+            ids, lps = topk_per_sequence(final, lengths, self.lm_head_weight, teacher.topk, teacher.chunk_tokens)
         lasts = final.to("cpu").split(lengths) if "last_hidden" in teacher.kinds else None
         return [Captured(aux_hidden=a, topk_ids=None if ids is None else ids[i],
                          topk_logprobs=None if lps is None else lps[i],
@@ -177,16 +170,11 @@ class VLLMTarget(TargetBackend):
     def generate(self, prompts: list[list[int]], gen: GenerationConfig, stop_ids: list[int],
                  seeds: list[int] | None = None) -> list[list[int]]:
         """Regeneration in the capturing engine: every prompt at once, stopping at exactly ``stop_ids``."""
-        from core.engines.request import TokenRequest
-        from extract.regen_engines import request_seed
+        from extract.regen_engines import token_requests
 
         if not prompts:
             return []
-        reqs = [TokenRequest(id=str(i), prompt_token_ids=[int(t) for t in p], max_tokens=int(gen.max_new_tokens),
-                             temperature=gen.temperature, top_p=gen.top_p,
-                             seed=request_seed(gen.seed, p) if seeds is None else int(seeds[i]),
-                             stop_token_ids=[int(t) for t in stop_ids])
-                for i, p in enumerate(prompts)]
+        reqs = token_requests(prompts, [gen.max_new_tokens] * len(prompts), gen, stop_ids, seeds)
         return [list(r["output_token_ids"]) for r in self._engine().generate(reqs)]
 
     def _engine(self) -> Any:
