@@ -8,7 +8,9 @@ target's template, packed by ``core.batching.pack_batches`` at ``--batch-tokens`
 
 - bare: the decoder stack alone (``benchmarks.extract_throughput.Bare``: no hooks, no lm_head);
 - hf: ``HFTarget.capture`` (hooks on the aux layers, the top-k teacher in chunks);
-- vllm: ``VLLMTarget.capture`` (vLLM CPU's prefill with ``extract_hidden_states``, redraft's connector writing
+- vllm: ``VLLMTarget.capture_batches``, as extraction runs it (the engine prefills batch n+1 while this
+  process computes batch n's features; "no overlap": ``VLLMTarget.capture`` one batch after the other)
+  (vLLM CPU's prefill with ``extract_hidden_states``, redraft's connector writing
   each request's states, the file read back and removed, the teacher from the last state). The engine is
   started once per target before the repeats (its start is reported, not counted), with the same thread count;
 - vllm engine part: the same engine call with each file read back and removed, nothing computed here.
@@ -149,9 +151,12 @@ def measure_target(name: str, args: argparse.Namespace) -> dict[str, Any]:
     paths = {
         "bare": lambda: bare.seconds(batches),
         "hf": lambda: [hf.capture(b, topk) for b in batches],
-        "vllm": lambda: [engine.capture(b, topk) for b in batches],
+        # what extraction runs: the engine prefills batch n+1 while this process computes batch n's features
+        "vllm": lambda: list(engine.capture_batches(batches, topk)),
         "hf_last": lambda: [hf.capture(b, last) for b in batches],
-        "vllm_last": lambda: [engine.capture(b, last) for b in batches],
+        "vllm_last": lambda: list(engine.capture_batches(batches, last)),
+        # the same, one batch after the other (no overlap): what the overlap buys
+        "vllm_last_serial": lambda: [engine.capture(b, last) for b in batches],
         # the engine's part alone: the prefill with the connector's writes, each file read back and removed
         "vllm_engine": lambda: [read_files(engine, b) for b in batches],
     }
@@ -224,14 +229,14 @@ def format_tables(report: dict[str, Any]) -> str:
     lines = [f"`{report['command']}`", "",
              "tokens/s (ratio to bare, median of the interleaved repeats); teacher top-k = the lm_head over the full "
              "vocabulary per token, last_hidden = none (the trainer applies it)", "",
-             "| target | tokens | bare | hf, top-k | vllm, top-k | hf, last_hidden | vllm, last_hidden | vllm engine part "
-             "| engine file B/token |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| target | tokens | bare | hf, top-k | vllm, top-k | hf, last_hidden | vllm, last_hidden "
+             "| vllm, last_hidden, no overlap | vllm engine part | engine file B/token |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for t in report["targets"]:
         r, q = t["tokens_per_s"], t["ratio_to_bare"]
         cell = {k: f"{r[k]:,.0f} ({q[k]:.2f}x)" for k in q}
         lines.append(f"| {t['target']} | {t['tokens']:,} | {r['bare']:,.0f} | {cell['hf']} | {cell['vllm']} | "
-                     f"{cell['hf_last']} | {cell['vllm_last']} | {cell['vllm_engine']} | "
+                     f"{cell['hf_last']} | {cell['vllm_last']} | {cell['vllm_last_serial']} | {cell['vllm_engine']} | "
                      f"{t['engine_file_bytes_per_token']:,} |")
     lines += ["", "Features, `--backend vllm` against `--backend hf` (fp32, every position of the prompts above): "
               "||vllm - hf|| / ||hf|| per token, median / max", "",

@@ -16,6 +16,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from contextlib import closing
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -311,7 +312,8 @@ def extract_shard(
     """Capture one shard's samples and write it as they arrive.
 
     Each captured batch is validated, encoded to the storage dtype and spilled to disk before the next
-    batch is captured, so memory holds one batch's features whatever the shard's size; the file keeps
+    batch's features are computed, so memory holds one batch's features (and, with a backend that overlaps,
+    the next batch's engine states) whatever the shard's size; the file keeps
     input order (samples are captured longest first). The check of the samples built from generated ids
     is written before the shard is renamed into place, so a shard at its final name always has one.
     """
@@ -336,12 +338,14 @@ def extract_shard(
     teacher = TeacherSpec(kinds=tuple(cfg.teacher), topk=cfg.topk, chunk_tokens=cfg.chunk_tokens)
     problems: dict[int, str | None] = {}  # item index -> check of a sample built from generated ids
     truncated = 0
+    batches = [[keep[j] for j in b] for b in pack_batches([len(items[i].input_ids) for i in keep], cfg.batch_tokens)]
+    # The backend may capture the next batch while this loop writes the current one (extract.backends.vllm).
+    stream = backend.capture_batches(([items[i].input_ids for i in idx] for idx in batches), teacher)
     with ShardWriter(out, shard, hidden_dtype=cfg.hidden_dtype, num_aux=len(backend.info.aux_layer_ids)) as writer, \
-            Heartbeat(f"capture shard {shard}", total=len(keep), unit="samples") as beat:
-        for batch in pack_batches([len(items[i].input_ids) for i in keep], cfg.batch_tokens):
-            idx = [keep[j] for j in batch]
+            Heartbeat(f"capture shard {shard}", total=len(keep), unit="samples") as beat, closing(stream):
+        for idx in batches:
             with span("capture"):
-                captured = backend.capture([items[i].input_ids for i in idx], teacher)
+                captured = next(stream)
             with span("write"):
                 for i, cap in zip(idx, captured, strict=True):
                     it = items[i]

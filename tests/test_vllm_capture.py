@@ -62,10 +62,17 @@ def captured(request):
     try:
         theirs = engine.capture(seqs, TEACHER)
         again = engine.capture(seqs[:2], TEACHER)  # a second batch through the same engine
+        # as extraction runs it: the engine prefills the next batch while this process computes the current one
+        streamed = [c for b in engine.capture_batches([seqs[:5], [], seqs[5:9], seqs[9:]], TEACHER) for c in b]
+        abandoned = engine.capture_batches([seqs[:2], seqs[2:4], seqs[4:6]], TEACHER)
+        next(abandoned)  # the second batch is in flight now
+        abandoned.close()
+        left_behind = sorted(p.name for p in engine.capture_dir.glob("*"))
     finally:
         engine.close()
     assert not any(engine.capture_dir.glob("*")) if engine.capture_dir.exists() else True
-    return {"name": request.param, "hf": hf, "seqs": seqs, "ours": ours, "theirs": theirs, "again": again}
+    return {"name": request.param, "hf": hf, "seqs": seqs, "ours": ours, "theirs": theirs, "again": again,
+            "streamed": streamed, "left_behind": left_behind}
 
 
 def test_vllm_features_equal_hf_features(captured):
@@ -87,6 +94,17 @@ def test_a_second_batch_reproduces_the_first(captured):
     for a, b in zip(captured["theirs"][:2], captured["again"], strict=True):
         assert torch.allclose(a.aux_hidden, b.aux_hidden, rtol=0, atol=1e-6)
         assert torch.equal(a.topk_ids, b.topk_ids)
+
+
+def test_overlapped_batches_give_the_same_features_and_leave_no_files(captured):
+    """capture_batches (the next batch in the engine while this one's teacher runs) = capture, batch by batch;
+    a stream abandoned with a batch in flight waits for it and removes its files."""
+    assert len(captured["streamed"]) == len(captured["seqs"])
+    for a, b in zip(captured["theirs"], captured["streamed"], strict=True):
+        assert torch.allclose(a.aux_hidden, b.aux_hidden, rtol=0, atol=1e-6)
+        assert torch.allclose(a.last_hidden, b.last_hidden, rtol=0, atol=1e-6)
+        assert torch.equal(a.topk_ids[:, 0], b.topk_ids[:, 0])
+    assert captured["left_behind"] == []
 
 
 def test_the_layer_ids_are_the_ones_core_layers_names(captured):

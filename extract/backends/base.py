@@ -8,6 +8,7 @@ distribution, and prompts into generated token ids.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,6 +107,13 @@ class TargetBackend(ABC):
     @abstractmethod
     def capture(self, batch: list[list[int]], teacher: TeacherSpec) -> list[Captured]:
         """One forward pass per sequence (batched), returning the captured features of each."""
+
+    def capture_batches(self, batches: Iterable[list[list[int]]], teacher: TeacherSpec) -> Iterator[list[Captured]]:
+        """Each batch's features, in order. This default captures them one after the other; a backend whose
+        engine runs in processes of its own overrides it to let the engine work on the next batch while this
+        process turns the current one into features (``extract.backends.vllm``)."""
+        for batch in batches:
+            yield self.capture(batch, teacher)
 
     @abstractmethod
     def generate(self, prompts: list[list[int]], gen: GenerationConfig, stop_ids: list[int],

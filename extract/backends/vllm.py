@@ -12,8 +12,15 @@ What is asked of the engine: the aux layers in vLLM's convention (``core.layers`
 state with the target's final norm and lm_head, read from its weight files (fp32, in chunks): the
 same top-k rule as the HF backend (``extract.teacher``), or the post-norm state itself for ``last_hidden``.
 
-Memory and disk: prompts go to the engine one capture batch at a time (``--batch-tokens``), so at most one
-batch of files exists; each is read, checked against the prompt's ids and removed before the next batch.
+Overlap: :meth:`VLLMTarget.capture_batches` sends batch n+1 to the engine before it computes batch n's
+teacher, so the engine's processes prefill while this one runs the norm and the lm_head. Sent one after the
+other instead, the engine's worker spends the gap busy-polling its queue (vLLM's ``shm_broadcast``,
+``busy_loop_s=1``), on a core this process needs (measured: ``docs/results/capture-speed``).
+
+Memory and disk: prompts go to the engine one capture batch at a time (``--batch-tokens``), so at most two
+batches of files exist (the one being prefilled, the one being read); each is read, checked against the
+prompt's ids and removed before its features are computed, and an abandoned stream still waits for the
+batch in flight and removes its files.
 Regeneration (``--regen-backend hf`` with this backend) runs in the same engine; the states it also writes
 for those requests are removed by the driver.
 """
@@ -24,7 +31,8 @@ import json
 import logging
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -140,6 +148,34 @@ class VLLMTarget(TargetBackend):
         """The batch's prompts prefilled together by the engine; each file read, checked and removed."""
         if not batch:
             return []
+        return self._features(self._engine_states(batch), [len(seq) for seq in batch], teacher)
+
+    def capture_batches(self, batches: Iterable[list[list[int]]], teacher: TeacherSpec) -> Iterator[list[Captured]]:
+        """Each batch's features, in order, with the engine prefilling the next batch (in a helper thread that
+        only waits on the engine and reads its files) while this thread computes the current one's."""
+        pending: tuple[list[list[int]], Future] | None = None
+        with ThreadPoolExecutor(1, thread_name_prefix="redraft-vllm-capture") as pool:
+            try:
+                todo = iter(batches)
+
+                def send() -> tuple[list[list[int]], Future] | None:
+                    batch = next(todo, None)
+                    return None if batch is None else (batch, pool.submit(self._engine_states, batch))
+
+                pending = send()
+                while pending is not None:
+                    batch, states = pending[0], pending[1].result()
+                    pending = send()
+                    yield self._features(states, [len(seq) for seq in batch], teacher) if batch else []
+            finally:
+                if pending is not None:  # abandoned mid-stream: let the batch in flight finish, files removed
+                    pending[1].exception()
+
+    def _engine_states(self, batch: list[list[int]]) -> torch.Tensor:
+        """The engine's part of one batch: the prefill, then every request's file read, checked, removed;
+        the [sum T, layers, H] block of the batch."""
+        if not batch:
+            return torch.empty(0, len(self.plan.engine_ids), self.info.hidden_size)
         bad = [i for i, seq in enumerate(batch) if not 0 < len(seq) <= self.max_length]
         if bad:
             i = bad[0]
@@ -148,9 +184,8 @@ class VLLMTarget(TargetBackend):
         if len(rows) != len(batch):
             raise ValueError(f"vLLM returned {len(rows)} captures for {len(batch)} prompts")
         n_layers, hidden = len(self.plan.engine_ids), self.info.hidden_size
-        blocks = [read_capture_file(r["hidden_states_path"], seq, n_layers, hidden)
-                  for r, seq in zip(rows, batch, strict=True)]
-        return self._features(torch.cat(blocks), [len(seq) for seq in batch], teacher)
+        return torch.cat([read_capture_file(r["hidden_states_path"], seq, n_layers, hidden)
+                          for r, seq in zip(rows, batch, strict=True)])
 
     @torch.inference_mode()
     def _features(self, block: torch.Tensor, lengths: list[int], teacher: TeacherSpec) -> list[Captured]:
