@@ -31,7 +31,6 @@ connector's ``save_file`` of [T, 4, H], ``load_file`` here). And the bytes per t
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import pickle
@@ -45,6 +44,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.reporting import publish  # noqa: E402
 
 log = logging.getLogger("bench.capture_speed")
 
@@ -271,13 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"command": command.strip(), "goal_vllm_over_bare": GOAL, "threads": args.threads,
               "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
               "targets": targets, "kimi_width_transport": transport_at_kimi_width(args.kimi_tokens)}
-    text = format_tables(report)
-    print(text)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "capture-speed.json").write_text(json.dumps(report, indent=2) + "\n")
-        (out / "capture-speed.md").write_text(text)
+    publish(report, format_tables(report), args.out, "capture-speed")
     return 0
 
 
