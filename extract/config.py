@@ -143,6 +143,18 @@ class ExtractConfig:
     rank: int = _opt(-1, "This process's rank (-1: from SLURM_PROCID/SLURM_ARRAY_TASK_ID/RANK, else 0).")
     world_size: int = _opt(0, "Number of ranks (0: from SLURM_NTASKS/SLURM_ARRAY_TASK_COUNT/WORLD_SIZE, else 1).")
     finalize: bool = _opt(True, "Assemble manifest.json when every shard exists (any rank may do it).")
+    window_bytes: ByteSize = _opt(ByteSize(0), "Streaming (train/main.py --stream on the same folder): start a shard "
+                                               "only when it fits: the landed shards still in the folder plus the "
+                                               "largest shard so far within this many bytes (units as --shard-bytes; "
+                                               "0: no byte limit). Each shard gets a seal the trainer checks. Peak "
+                                               "disk: the window plus one shard per rank.")
+    window_shards: int = _opt(0, "Streaming: start a shard only while fewer landed shards than this are in the "
+                                 "folder (0: no count limit). Either limit turns streaming on.")
+
+    @property
+    def streaming(self) -> bool:
+        """Writing into a bounded window for a streaming trainer (seals, waits for room)."""
+        return bool(self.window_bytes or self.window_shards)
 
     def validate(self) -> ExtractConfig:
         """Normalise list options and check values; raises ConfigError naming the key."""
@@ -171,6 +183,8 @@ class ExtractConfig:
             raise ConfigError(f"kv_cache_gb: must be > 0, got {self.kv_cache_gb}")
         if self.engine_args and self.backend == "hf":
             raise ConfigError("engine_args: only --backend sglang or vllm start an engine; --backend hf takes none")
+        if self.window_bytes < 0 or self.window_shards < 0:
+            raise ConfigError("window_bytes / window_shards: must be >= 0 (0: no limit of that kind)")
         if self.regen_kv_cache_gb <= 0:
             raise ConfigError(f"regen_kv_cache_gb: must be > 0, got {self.regen_kv_cache_gb}")
         self.self_categories = _split_commas(self.self_categories)

@@ -35,6 +35,7 @@ from core.dataset.format import (
     features_are_finite,
     shard_relpath,
 )
+from core.dataset.window import HEADER_NAME, StreamClosed, is_consumed, wait_for_room, write_seal
 from core.dataset.writer import ShardWriter, finalize_dataset
 from core.embedded import SELF_DATA, resolve_data, resolve_target
 from extract.backends.base import GenerationConfig, TargetBackend, TeacherSpec
@@ -60,7 +61,6 @@ from extract.records import Record, read_records, write_records_jsonl
 from extract.regen_engines import Regenerator, make_regenerator
 from extract.regenerate import regenerate_records
 from extract.run_state import (
-    HEADER_NAME,
     REGEN_DIR,
     REGEN_NAME,
     check_path,
@@ -101,12 +101,16 @@ class ExtractSummary:
     parts: dict[str, float] = field(default_factory=dict)
     manifest: dict[str, Any] | None = None
     decontamination: str | None = None  # what --decontaminate dropped (Decontamination.describe)
+    stream_closed: bool = False  # the streaming trainer finished before every shard was extracted
+    stream_complete: bool = False  # every shard streamed (some consumed by the trainer: no manifest)
 
     def line(self) -> str:
         skipped = ", ".join(f"{k}={v}" for k, v in sorted(self.skipped.items())) or "none"
         bpt = self.bytes_written / self.tokens if self.tokens else 0.0
         rate = self.tokens / self.seconds if self.seconds else 0.0
-        done = "manifest written" if self.manifest else "waiting for other ranks"
+        done = ("manifest written" if self.manifest else "every shard streamed" if self.stream_complete
+                else "stopped: the streaming trainer needs no more shards" if self.stream_closed
+                else "waiting for other ranks")
         decon = f"{self.decontamination}; " if self.decontamination else ""
         g = self.generated
         exact = (f"{g.samples} samples from generated ids ({g.mismatched_samples} not stored as generated, "
@@ -555,14 +559,26 @@ def _extract(cfg: ExtractConfig, out: Path, target_path: Path, inputs: list[Path
                                                           indent=2, sort_keys=True) + "\n")
                 if cfg.regenerate and todo:
                     regenerator = engines.regenerator()
+        if cfg.streaming:
+            seal_landed_shards(out, [s for s in mine if s not in todo])
         total = sum(starts[s + 1] - starts[s] for s in todo)
         try:
             with tqdm(total=total, unit="sample", desc=f"extract rank {cfg.rank}", disable=None) as progress:
                 progress.tokens = 0  # running count for the tokens/s readout
                 for s in todo:
                     assert backend is not None
+                    if cfg.streaming:
+                        try:
+                            with span("window"):
+                                wait_for_room(out, cfg.window_bytes, cfg.window_shards)
+                        except StreamClosed as e:
+                            log.info("%s: stopping before shard %d", e, s)
+                            summary.stream_closed = True
+                            break
                     done = extract_shard(cfg, out, s, records[starts[s] : starts[s + 1]], backend, progress,
                                          regenerator)
+                    if cfg.streaming:
+                        write_seal(out, s, done.info)  # the shard has landed: the trainer may read it
                     summary.shards_written += 1
                     summary.samples += done.info.num_samples
                     summary.tokens += done.info.num_tokens
@@ -583,6 +599,22 @@ def _extract(cfg: ExtractConfig, out: Path, target_path: Path, inputs: list[Path
                     concat_regenerated(out, num_shards)
                 summary.manifest = finalize_dataset(out, num_shards=num_shards, header=header,
                                                     vocab_size=header["vocab_size"])
+        elif cfg.streaming and all((out / shard_relpath(s)).exists() or is_consumed(out, s) for s in range(num_shards)):
+            summary.stream_complete = True
+            log.info("streamed into %s: every shard landed, some consumed (deleted) by the trainer, so no manifest; "
+                     "train/main.py --stream knows the set is complete from plan.json and the seals", out)
     summary.parts = clock.stop()
     summary.seconds = time.perf_counter() - start
     return summary
+
+
+def seal_landed_shards(out: Path, shards: Sequence[int]) -> None:
+    """Seal the shards a killed run left complete but unsealed (killed between the rename and the seal)."""
+    from core.dataset.window import consumed_path, seal_path
+    from core.dataset.writer import read_shard_info
+
+    for s in shards:
+        if not seal_path(out, s).exists() and not consumed_path(out, s).exists():
+            info = read_shard_info(out, s)
+            if info is not None:
+                write_seal(out, s, info)

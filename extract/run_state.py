@@ -21,14 +21,13 @@ from typing import Any
 from core.atomic import atomic_write_text
 from core.config import ConfigError
 from core.dataset.format import MANIFEST_NAME, shard_relpath
+from core.dataset.window import PLAN_NAME, is_consumed
 from core.dataset.writer import read_shard_info
 from extract.generated import ExactnessCounts
 from extract.shard_plan import cut_shards
 
 log = logging.getLogger(__name__)
 
-PLAN_NAME = "plan.json"
-HEADER_NAME = "header.json"
 REGEN_DIR = "regenerated"
 REGEN_NAME = "regenerated.jsonl"
 
@@ -105,6 +104,9 @@ def expected_checksums(out: Path) -> dict[str, str]:
 
 
 def shard_is_done(out: Path, shard: int, expected: dict[str, str]) -> bool:
+    """Present and sound (checksum as the manifest's, when there is one), or consumed by a streaming trainer."""
+    if is_consumed(out, shard):
+        return True
     try:
         info = read_shard_info(out, shard)
     except Exception as e:  # a shard that does not parse is redone, whatever the reason

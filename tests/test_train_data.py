@@ -90,11 +90,12 @@ def test_grad_accum_trims_to_whole_steps():
 
 
 def _run(sampler: DistributedBucketSampler, state: SamplerState, n: int) -> list[tuple[int, int, list[int]]]:
-    """The training loop's walk over the data (train/main.py): remaining(state), then the next epoch."""
+    """The training loop's walk over the data (train/main.py Trainer.fit): remaining(state), then the next epoch;
+    the position counts global micro-batches (a step of W ranks advances it by W)."""
     out = []
     while len(out) < n:
         for batch in sampler.remaining(state):
-            state.position += 1
+            state.position += sampler.world_size
             out.append((state.epoch, state.position, batch))
             if len(out) == n:
                 return out
@@ -102,11 +103,33 @@ def _run(sampler: DistributedBucketSampler, state: SamplerState, n: int) -> list
     return out
 
 
+def _ranks(world: int, grad_accum: int, state: SamplerState, steps: int) -> list[list[list[int]]]:
+    """``steps`` optimizer steps of every rank of ``world`` from ``state``: per step, the micro-batches trained."""
+    per_rank = [_run(_sampler(r, world, grad_accum=grad_accum), SamplerState(state.epoch, state.position),
+                     steps * grad_accum) for r in range(world)]
+    return [sorted(b for rank in per_rank for _, _, b in rank[k * grad_accum:(k + 1) * grad_accum])
+            for k in range(steps)]
+
+
+@pytest.mark.parametrize("before,after", [((2, 1), (1, 2)), ((1, 2), (2, 1)), ((2, 2), (4, 1))])
+def test_a_resume_on_another_world_size_trains_the_same_steps(before, after):
+    """The elastic rule: a position saved by W ranks, resumed by W' with W x grad_accum kept, gives the same
+    micro-batches in every later step as the run that was not interrupted (across an epoch's end too)."""
+    (w0, ga0), (w1, ga1) = before, after
+    assert w0 * ga0 == w1 * ga1
+    n0 = _sampler(0, w0, grad_accum=ga0).steps_in_epoch(0)
+    straight = _ranks(w0, ga0, SamplerState(), n0 + 4)
+    for cut in (0, 3, n0 - 1, n0):  # steps trained before the save
+        epoch, position = (1, 0) if cut == n0 else (0, cut * w0 * ga0)
+        resumed = _ranks(w1, ga1, SamplerState(epoch, position), len(straight) - cut)
+        assert resumed == straight[cut:], cut
+
+
 def test_resume_replays_exactly_across_epochs():
     s = _sampler(1, 2)
     n0 = len(s.rank_batches(0))
     straight = _run(s, SamplerState(), n0 + 5)
-    assert straight[n0][0] == 1 and straight[n0][1] == 1  # epoch rolled over, position restarts
+    assert straight[n0][0] == 1 and straight[n0][1] == 2  # epoch rolled over: 1 global micro-batch per rank
     for cut in (0, 3, n0 - 1, n0, n0 + 2):
         epoch, pos, _ = straight[cut - 1] if cut else (0, 0, None)  # cut = n0: saved at an epoch's end
         tail = _run(_sampler(1, 2), SamplerState(epoch, pos), len(straight) - cut)

@@ -28,12 +28,12 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
-def launch(args: list[str], log: Path) -> None:
+def launch(args: list[str], log: Path, processes: int = 2) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "WANDB_MODE": "offline",
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "REDRAFT_NO_PROGRESS": "1"}
     env.pop("WORLD_SIZE", None)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           "configs/accelerate/cpu-2proc-zero2.yaml", "--num_processes", "2", "train/main.py", *args]
+           "configs/accelerate/cpu-2proc-zero2.yaml", "--num_processes", str(processes), "train/main.py", *args]
     with open(log, "w") as f:
         res = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=600)
     assert res.returncode == 0, log.read_text()[-4000:]
@@ -119,3 +119,39 @@ def test_two_ranks_split_the_data_and_resume(tiny):
     c = load_file(str(killed / "step-0000006" / "model.safetensors"))
     worst = max((a[k].double() - c[k].double()).abs().max().item() for k in a)
     assert worst == 0.0, f"max |diff| after SIGKILL + resume: {worst}"
+
+
+def _trained_ids(out: Path) -> list[str]:
+    """Every sample id trained in epoch 0, over all ranks and all launches of the run (duplicates kept)."""
+    return sorted(i for f in (out / "sample_ids").glob("rank-*.jsonl") for i in _ids(f, 0))
+
+
+@pytest.mark.parametrize("before,after", [(2, 1), (1, 2)], ids=["2to1", "1to2"])
+def test_a_run_resumes_on_another_number_of_processes(tiny, before, after):
+    """Elastic resume, both ways, under DeepSpeed ZeRO-2: saved at step 3 on ``before`` processes, resumed to 6 on
+    ``after``. Every step keeps its micro-batches (grad_accum follows: 2 x 1 = 1 x 2), so the run trains each
+    sample once, as the run that was not interrupted does, and ends at the same weights up to the order of the
+    gradient reduction; the optimizer state came through DeepSpeed's universal checkpoint."""
+    data, root = tiny
+    accum = {2: 1, 1: 2}
+    args = dict(max_steps=6, save_every=3, log_every=1, keep_last=0, log_sample_ids=True)
+    straight, elastic = root / f"straight-{before}", root / f"elastic-{before}to{after}"
+    launch(base_args(data, straight, grad_accum=accum[before], **args), root / f"{straight.name}.log", before)
+    launch(base_args(data, elastic, grad_accum=accum[before], stop_at_step=3, **args), root / "e1.log", before)
+    # the same command on another number of processes; its grad_accum comes from the checkpoint
+    launch(base_args(data, elastic, grad_accum=accum[before], resume="auto", **args), root / "e2.log", after)
+    log_text = (root / "e2.log").read_text()
+    assert f"grad_accum {accum[after]}" in log_text and "universal" in log_text, log_text[-3000:]
+    assert (elastic / "step-0000003" / "training_state.universal").is_dir()
+    state = json.loads((elastic / "step-0000006" / "trainer_state.json").read_text())
+    assert state["world_size"] == after and state["micro_batches_per_step"] == 2
+    assert _trained_ids(elastic) == _trained_ids(straight)  # none lost, none twice
+    a = load_file(str(straight / "step-0000006" / "model.safetensors"))
+    b = load_file(str(elastic / "step-0000006" / "model.safetensors"))
+    worst = max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+    scale = max(a[k].double().abs().max().item() for k in a)
+    print(f"elastic {before}->{after}: max |diff| {worst:.2e} (largest weight {scale:.2e})")
+    assert worst <= 1e-5, f"max |diff| after an elastic resume: {worst}"
+    la, lb = [r["loss"] for r in read_metrics(straight)], [r["loss"] for r in read_metrics(elastic)]
+    assert len(la) == len(lb) == 6 and la[:3] == lb[:3]
+    assert max(abs(x - y) for x, y in zip(la, lb, strict=True)) <= 1e-4

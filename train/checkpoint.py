@@ -5,11 +5,20 @@ Layout of ``OUT/step-0000100/``::
     config.json          SGLang/vLLM ``LlamaForCausalLMEagle3`` config (servable as is)
     model.safetensors    serving weights (no embedding)
     redraft.json         DrafterConfig, dataset fingerprint, val ids, train config
-    trainer_state.json   step, epoch, sampler position, world size
-    training_state/      accelerator.save_state (model, optimizer, scheduler, per-rank RNG; DeepSpeed-aware)
+    trainer_state.json   step, epoch, global sampler position, world size, micro-batches per step, LR schedule
+    training_state/      accelerator.save_state (model, optimizer, per-rank RNG; DeepSpeed-aware)
+    training_state.universal/   only after an elastic resume from here: DeepSpeed's universal form of it
 
 Everything is written into ``OUT/.tmp-step-0000100`` and renamed once complete, then ``OUT/latest``
 is replaced atomically, so a run killed at any moment leaves either the old or the new checkpoint.
+
+Elastic resume (``resume_point``): a run resumes on another world size W' when its optimizer step, W x
+grad_accum micro-batches, can be kept (grad_accum' = W x grad_accum / W'): the data order is the global one
+(``train.data``), so the same micro-batches make the same steps and the LR schedule and step count carry
+over unchanged; only the order of the gradient reduction differs (float rounding). DeepSpeed refuses to load
+ZeRO optimizer partitions saved at another world size, so the saved state is first converted to DeepSpeed's
+universal checkpoint (``deepspeed.checkpoint.ds_to_universal``, its supported path for this) and loaded
+with ``checkpoint.load_universal``; without DeepSpeed the optimizer state is whole on every rank already.
 """
 
 from __future__ import annotations
@@ -18,7 +27,10 @@ import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +50,9 @@ log = logging.getLogger(__name__)
 TMP_PREFIX = ".tmp-"
 TRAINING_STATE = "training_state"
 TRAINER_STATE = "trainer_state.json"
+UNIVERSAL = "training_state.universal"
+DEEPSPEED_TAG = "pytorch_model"  # accelerate's tag for the DeepSpeed engine's files under training_state/
+ORDER_RULE = "global"  # trainer_state.json's position counts global micro-batches (older: this rank's)
 
 
 INIT_FROM_FIELDS = ("hidden_size", "target_hidden_size", "vocab_size", "draft_vocab_size", "aux_layer_ids")
@@ -104,6 +119,94 @@ def read_trainer_state(folder: Path) -> dict[str, Any]:
         if key not in state:
             raise CheckpointError(f"{path}: key {key!r} is missing")
     return state
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a resumed run starts, for this run's world size (``resume_point``)."""
+
+    folder: Path
+    step: int
+    epoch: int
+    position: int  # global micro-batches of ``epoch`` trained
+    tokens_seen: int
+    scheduler: dict[str, Any] | None
+    saved_world_size: int
+    micro_batches_per_step: int  # W x grad_accum of the saved run: what every step of this one keeps
+    grad_accum: int  # for this run: micro_batches_per_step over this world size
+    deepspeed: bool  # the saved training state is a DeepSpeed engine's
+    data: dict[str, Any] | None = None  # the data source's own state (a stream's group sizes)
+    total_steps: int | None = None  # the saved run's schedule length
+
+    @property
+    def world_size(self) -> int:
+        return self.micro_batches_per_step // self.grad_accum
+
+    @property
+    def elastic(self) -> bool:
+        return self.saved_world_size != self.world_size
+
+
+def resume_point(folder: Path, world_size: int, grad_accum: int) -> ResumePoint:
+    """Read a checkpoint's trainer state and fit it to ``world_size`` ranks (the elastic rule, module doc).
+
+    A saved step of M micro-batches needs M divisible by the new world size; ``grad_accum`` (this run's
+    config) gives way to M / world_size when they differ, with a warning. Checkpoints from before the global
+    order rule resume on their own world size only.
+    """
+    ts = read_trainer_state(folder)
+    path = Path(folder) / TRAINER_STATE
+    saved_world = int(ts["world_size"])
+    global_rule = ts.get("order_rule") == ORDER_RULE
+    if not global_rule and saved_world != world_size:
+        raise CheckpointError(f"{path}: saved with world size {saved_world} by a redraft without elastic resume; "
+                              f"resume it on {saved_world} process(es)")
+    mbps = int(ts.get("micro_batches_per_step") or saved_world * grad_accum)
+    if mbps % world_size:
+        fits = [w for w in range(1, mbps + 1) if mbps % w == 0]
+        raise CheckpointError(f"{path}: a step of this run is {mbps} micro-batches (world size {saved_world} x "
+                              f"grad_accum {mbps // saved_world}), which {world_size} processes cannot share "
+                              f"evenly; resume on one of {fits} processes")
+    accum = mbps // world_size
+    if accum != grad_accum:
+        log.warning("%s: resuming a run of %d process(es) x grad_accum %d on %d: grad_accum %d (not the config's "
+                    "%d), so that every step stays %d micro-batches", folder, saved_world, mbps // saved_world,
+                    world_size, accum, grad_accum, mbps)
+    position = int(ts["position"]) * (1 if global_rule else saved_world)
+    point = ResumePoint(folder=Path(folder), step=int(ts["step"]), epoch=int(ts["epoch"]), position=position,
+                        tokens_seen=int(ts.get("tokens_seen", 0)), scheduler=ts.get("scheduler"),
+                        saved_world_size=saved_world, micro_batches_per_step=mbps, grad_accum=accum,
+                        deepspeed=(Path(folder) / TRAINING_STATE / DEEPSPEED_TAG).is_dir(), data=ts.get("data"),
+                        total_steps=int(ts["total_steps"]) if ts.get("total_steps") else None)
+    return point
+
+
+def universal_training_state(point: ResumePoint, accelerator: Any) -> Path:
+    """The saved DeepSpeed state in DeepSpeed's universal form, for a load at another world size.
+
+    Converted once by rank 0 into ``training_state.universal`` beside the original (written under a temporary
+    name and renamed, so a killed conversion is redone, never half-read); every rank then loads it.
+    """
+    final = point.folder / UNIVERSAL
+    if accelerator.is_main_process and not final.is_dir():
+        tmp = point.folder / f"{TMP_PREFIX}{UNIVERSAL}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
+               "--input_folder", str(point.folder / TRAINING_STATE / DEEPSPEED_TAG),
+               "--output_folder", str(tmp / DEEPSPEED_TAG), "--inject_missing_state",
+               "--num_extract_workers", "1", "--num_merge_workers", "1"]
+        log.info("elastic resume: converting %s to DeepSpeed's universal checkpoint", point.folder / TRAINING_STATE)
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(f"{point.folder / TRAINING_STATE}: DeepSpeed's ds_to_universal failed "
+                                  f"(exit {res.returncode}):\n{(res.stdout + res.stderr)[-3000:]}")
+        for rng in (point.folder / TRAINING_STATE).glob("random_states_*.pkl"):
+            shutil.copy2(rng, tmp / rng.name)
+        os.replace(tmp, final)
+    accelerator.wait_for_everyone()
+    return final
 
 
 def save_checkpoint(

@@ -47,6 +47,25 @@ class TrainConfig:
         512, "samples shuffled together then sorted by length to form batches (bigger: less padding)"
     )
     num_workers: int = _f(0, "DataLoader worker processes per rank")
+    data_order: str = _f(
+        "global",
+        "global (the whole dataset shuffled per epoch; a held-out split by id) or stream (shards in index order, "
+        "stream_group_shards at a time shuffled together: the order a --stream run trains in, also on a finished "
+        "dataset; the draft vocabulary from the first group's tokens; no held-out split; with max_steps 0 the "
+        "schedule's length is estimated from the first group)",
+        choices=("global", "stream"),
+    )
+    stream: bool = _f(
+        False, "train on the shards of `data` as extraction lands them (extract --window-bytes/--window-shards on "
+        "the same folder), waiting for each group; ends when every planned shard is trained; implies "
+        "data_order=stream"
+    )
+    stream_group_shards: int = _f(4, "data_order=stream: shards shuffled together (the shuffle buffer)")
+    stream_keep: bool = _f(
+        False, "--stream: keep the shards once trained (for later epochs) instead of deleting them behind each "
+        "checkpoint"
+    )
+    stream_poll_s: float = _f(2.0, "--stream: seconds between looks for newly landed shards")
     teacher: str = _f(
         "auto",
         "teacher signal: topk (stored top-k logprobs), last_hidden (re-apply the target lm_head), "
@@ -138,7 +157,10 @@ class TrainConfig:
             raise ConfigError("out is required (output folder): pass --out DIR")
         if self.tokens_per_batch <= 0 and self.micro_batch_size <= 0:
             raise ConfigError("set tokens_per_batch > 0 or micro_batch_size > 0 (both are 0: batches unbounded)")
-        positive = ("grad_accum", "ttt_steps", "draft_vocab_size", "log_every", "mega_batch_samples")
+        if self.stream:
+            self.data_order = "stream"
+        positive = ("grad_accum", "ttt_steps", "draft_vocab_size", "log_every", "mega_batch_samples",
+                    "stream_group_shards")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")

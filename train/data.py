@@ -1,20 +1,28 @@
-"""Train/val split, length-bucketed batches and a resumable distributed sampler.
+"""Train/val split, length-bucketed batches and a resumable, elastic distributed sampler.
 
 Everything here is a pure function of (sample ids, lengths, seed, epoch, rank, world size), so a
 resumed run replays exactly the batches an uninterrupted run would have seen, and every rank can
 compute the same global batch list without talking to the others.
+
+The order rule, which makes resume elastic: an epoch's global list of micro-batches depends on the
+data and the seed only, never on the world size. Where the run stands is one number, the global
+micro-batches of the epoch already trained (``SamplerState.position``); the rest of the epoch is dealt
+round-robin to however many ranks there are now (rank r of W takes r, r+W, ...), cut to whole optimizer
+steps. So a run resumed on another world size trains exactly the micro-batches the saved run had not,
+and, with W x grad_accum kept (``train.checkpoint.resume_point``), the same optimizer steps.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
 from core.batching import pack_sorted
 
@@ -89,17 +97,18 @@ def length_bucketed_batches(
 
 @dataclass
 class SamplerState:
-    """Where the data stream is: ``position`` micro-batches of this rank's share of ``epoch`` are done."""
+    """Where the data stream is: the first ``position`` global micro-batches of ``epoch`` are trained (all ranks
+    together: a micro-batch step of W ranks advances it by W)."""
 
     epoch: int = 0
     position: int = 0
 
 
 class DistributedBucketSampler:
-    """Rank ``r`` of ``W`` takes global batches ``r::W``; the global list is truncated to a multiple of W.
+    """Rank ``r`` of ``W`` takes global batches ``r::W`` of what is left of the epoch, cut to whole steps.
 
-    Truncation keeps every rank doing the same number of micro-batches (collectives would hang otherwise).
-    ``grad_accum`` also drops the trailing micro-batches that would not fill an optimizer step.
+    The cut keeps every rank doing the same number of micro-batches (collectives would hang otherwise) and
+    drops the trailing micro-batches that would not fill an optimizer step of W x ``grad_accum``.
     """
 
     def __init__(
@@ -130,33 +139,34 @@ class DistributedBucketSampler:
         self.shuffle = shuffle
         self._cache: dict[int, list[list[int]]] = {}
 
-    def global_batches(self, epoch: int) -> list[list[int]]:
-        batches = length_bucketed_batches(
-            self.indices,
-            self.lengths,
-            tokens_per_batch=self.tokens_per_batch,
-            max_samples=self.max_samples,
-            mega_batch_samples=self.mega_batch_samples,
-            seed=self.seed,
-            epoch=epoch,
-            shuffle=self.shuffle,
-        )
+    def epoch_batches(self, epoch: int) -> list[list[int]]:
+        """The epoch's whole global list of micro-batches: the same for every world size (cached)."""
+        if epoch not in self._cache:
+            self._cache = {epoch: length_bucketed_batches(
+                self.indices, self.lengths, tokens_per_batch=self.tokens_per_batch, max_samples=self.max_samples,
+                mega_batch_samples=self.mega_batch_samples, seed=self.seed, epoch=epoch, shuffle=self.shuffle)}
+        return self._cache[epoch]
+
+    def _whole_steps(self, batches: list[list[int]]) -> list[list[int]]:
         per_rank = len(batches) // self.world_size
         per_rank -= per_rank % self.grad_accum
         return batches[: per_rank * self.world_size]
 
+    def global_batches(self, epoch: int) -> list[list[int]]:
+        """The epoch's micro-batches that a run starting it at this world size trains, in global order."""
+        return self._whole_steps(self.epoch_batches(epoch))
+
     def rank_batches(self, epoch: int) -> list[list[int]]:
-        """This rank's micro-batches for ``epoch`` (cached: the list is reused by resume and len)."""
-        if epoch not in self._cache:
-            self._cache = {epoch: self.global_batches(epoch)[self.rank :: self.world_size]}
-        return self._cache[epoch]
+        """This rank's micro-batches of a whole ``epoch`` started at this world size."""
+        return self.remaining(SamplerState(epoch, 0))
 
     def steps_in_epoch(self, epoch: int) -> int:
         return len(self.rank_batches(epoch)) // self.grad_accum
 
     def remaining(self, state: SamplerState) -> list[list[int]]:
-        """The micro-batches of ``state.epoch`` not yet done: what the training loop runs next (also on resume)."""
-        return self.rank_batches(state.epoch)[state.position :]
+        """This rank's micro-batches of ``state.epoch`` after the first ``state.position`` global ones: what the
+        training loop runs next, also on resume at another world size."""
+        return self._whole_steps(self.epoch_batches(state.epoch)[state.position:])[self.rank :: self.world_size]
 
     def check_trainable(self, where: str) -> None:
         """Refuse data that gives this rank no optimizer step (the loop would spin over empty epochs)."""
@@ -181,3 +191,96 @@ class FeatureDataset(Dataset):
 
     def __getitem__(self, i: int) -> Any:
         return self.reader.get(int(i))
+
+
+# ----------------------------------------------------------------------------- the training data, built
+
+
+@dataclass
+class TrainData:
+    """What the loop reads (the global order over a finished dataset): the dataset, its split, this rank's
+    samplers and the run's length in steps. ``train.stream.StreamData`` offers the same methods."""
+
+    reader: Any  # core.dataset.reader.DatasetReader
+    teacher: str  # "topk" | "last_hidden", resolved from the config's "auto"
+    train_idx: list[int]
+    val_idx: list[int]
+    sampler: DistributedBucketSampler
+    val_sampler: DistributedBucketSampler
+    total_steps: int
+    max_length: int
+    num_workers: int
+
+    @property
+    def num_samples(self) -> int | None:
+        return len(self.reader)
+
+    @property
+    def val_ids(self) -> list[str]:
+        return [self.reader.sample_ids[i] for i in self.val_idx]
+
+    def chunks(self, state: SamplerState, before_wait: Any = None) -> Iterator[list[list[int]]]:
+        """This rank's micro-batches of the rest of ``state.epoch`` (all there: one chunk)."""
+        yield self.sampler.remaining(state)
+
+    def loader(self, batches: list[list[int]]) -> DataLoader:
+        from core.dataset.batch import collate
+
+        return DataLoader(FeatureDataset(self.reader), batch_sampler=batches, num_workers=self.num_workers,
+                          collate_fn=functools.partial(collate, max_length=self.max_length))
+
+    def val_batches(self) -> list[list[int]]:
+        return self.val_sampler.rank_batches(0)
+
+    def exhausted(self) -> bool:
+        """No further epoch can be read (a stream whose shards are gone); a finished dataset never is."""
+        return False
+
+    def saved(self, state: SamplerState, finished: bool = False) -> None:
+        """A checkpoint at ``state`` was written (a stream consumes what lies behind it)."""
+
+    def state_dict(self) -> dict[str, Any] | None:
+        return None
+
+    def close(self, step: int, finished: bool) -> None:
+        """The run is over (a stream tells its extraction to stop)."""
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        pass
+
+
+def resolve_teacher(cfg: Any, reader: Any) -> str:
+    """The config's teacher (auto: top-k when stored) checked against what the data stores."""
+    teacher = cfg.teacher
+    if teacher == "auto":
+        teacher = "topk" if reader.has_topk else "last_hidden"
+    if (teacher == "topk" and not reader.has_topk) or (teacher == "last_hidden" and not reader.has_last_hidden):
+        raise ValueError(f"teacher={teacher} but {cfg.data} stores teacher {reader.manifest.get('teacher')}")
+    return teacher
+
+
+def build_data(cfg: Any, rank: int, world_size: int, accelerator: Any = None, resume: Any = None) -> Any:
+    """The run's data (``cfg``: a TrainConfig): TrainData for the global order over a finished dataset, or
+    ``train.stream.StreamData`` for ``data_order: stream`` (``--stream``: as extraction lands the shards).
+    ``resume``: the ResumePoint, if any (a resumed stream keeps its schedule's length)."""
+    if cfg.data_order == "stream":
+        from train.stream import build_stream
+
+        total = None if resume is None else resume.total_steps
+        return build_stream(cfg, rank, world_size, accelerator, total)
+    from core.dataset.reader import DatasetReader
+
+    reader = DatasetReader(cfg.data)
+    teacher = resolve_teacher(cfg, reader)
+    lengths = [min(n, cfg.max_length) if cfg.max_length > 0 else n for n in reader.lengths]
+    train_idx, val_idx = split_by_id(reader.sample_ids, cfg.val_fraction, cfg.val_max_samples, cfg.seed)
+    batching = dict(tokens_per_batch=cfg.tokens_per_batch, max_samples=cfg.micro_batch_size,
+                    mega_batch_samples=cfg.mega_batch_samples, seed=cfg.seed, rank=rank, world_size=world_size)
+    sampler = DistributedBucketSampler(train_idx, lengths, grad_accum=cfg.grad_accum, **batching)
+    val_sampler = DistributedBucketSampler(val_idx, lengths, shuffle=False, **batching)
+    sampler.check_trainable(cfg.data)
+    total_steps = cfg.max_steps or sum(sampler.steps_in_epoch(e) for e in range(cfg.num_epochs))
+    log.info("data: %d train / %d val samples, %d steps/epoch/rank, %d total steps, teacher %s",
+             len(train_idx), len(val_idx), sampler.steps_in_epoch(0), total_steps, teacher)
+    return TrainData(reader, teacher, train_idx, val_idx, sampler, val_sampler, total_steps, cfg.max_length,
+                     cfg.num_workers)

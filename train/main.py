@@ -1,4 +1,4 @@
-"""Train an EAGLE-3 drafter on a redraft dataset: setup -> data -> model -> optimizer -> loop -> save.
+"""Train an EAGLE-3 drafter on a redraft dataset: build data, build the drafter, resume, then step and checkpoint.
 
     accelerate launch [--config_file configs/accelerate/X.yaml] train/main.py --config configs/demo/train.yaml \
         [--data D --out O --max-steps N --resume auto --init-from DIR --report-to none] [--any_field value]
@@ -7,18 +7,23 @@
 
 The code is identical for one CPU process, CPU DeepSpeed over gloo and 8 GPUs: DeepSpeed (ZeRO-2)
 comes only from the accelerate config file. Batches are built by train/data.py and sharded by
-rank there (never by accelerate.prepare), so resume replays the exact data order.
+rank there (never by accelerate.prepare), so resume replays the exact data order, also on another
+world size (the rule: train/data.py and train/checkpoint.py).
+
+The parts, as ``main`` reads: ``build_data`` (train/data.py), ``build_drafter`` (train/drafter_setup.py),
+``build_optimizer``, ``Trainer.resume``, then ``Trainer.fit``: ``train_step`` per micro-batch,
+``evaluate`` and ``save`` on their schedule.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import math
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +31,10 @@ if __package__ in (None, ""):  # run as a script path: make the repo root import
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
 
+from train.checkpoint import ResumePoint  # noqa: E402
 from train.config import TrainConfig, parse_cli  # noqa: E402
+from train.data import SamplerState, TrainData  # noqa: E402
 
 log = logging.getLogger("redraft.train")
 
@@ -63,8 +69,10 @@ def make_accelerator(cfg: TrainConfig) -> Any:
     return accelerator
 
 
-def configure_deepspeed(accelerator: Any, cfg: TrainConfig) -> None:
-    """Fill the DeepSpeed json's "auto" values from the TrainConfig; refuse contradictions and ZeRO-3."""
+def configure_deepspeed(accelerator: Any, cfg: TrainConfig, universal: bool = False) -> None:
+    """Fill the DeepSpeed json's "auto" values from the TrainConfig; refuse contradictions and ZeRO-3.
+
+    universal: load the checkpoint in DeepSpeed's universal form (an elastic resume, train/checkpoint.py)."""
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
     if plugin is None:
         return
@@ -93,76 +101,8 @@ def configure_deepspeed(accelerator: Any, cfg: TrainConfig) -> None:
         ds.setdefault("bf16", {})["enabled"] = want_bf16
     elif bool(bf16) != want_bf16:
         raise ValueError(f"{where}: bf16.enabled={bf16} contradicts the train config's dtype={cfg.dtype}")
-
-
-def target_info(manifest: dict, target_path: Path) -> dict[str, Any]:
-    """DrafterConfig.from_target's input: sizes from the manifest, heads/MLP/rope from the target config."""
-    from core.drafter.config import MLA_FIELDS
-    from core.target_weights import text_config
-
-    cfg_file = target_path / "config.json"
-    if not cfg_file.is_file():
-        raise FileNotFoundError(
-            f"{cfg_file}: target config not found (manifest target.path={manifest['target'].get('path')!r}); "
-            "pass --target_path to the target model folder"
-        )
-    raw = json.loads(cfg_file.read_text())
-    raw_text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
-    try:
-        from transformers import AutoConfig
-
-        text = text_config(AutoConfig.from_pretrained(str(target_path), local_files_only=True)).to_dict()
-    except Exception as e:  # custom architectures (trust_remote_code) or wrappers unknown here
-        log.info("AutoConfig could not read %s (%s); using config.json as is", target_path, e)
-        text = raw_text
-    for key in ("hidden_size", "vocab_size"):
-        if key in text and int(text[key]) != int(manifest[key]):
-            raise ValueError(f"{cfg_file}: {key}={text[key]} but the dataset manifest says {manifest[key]}")
-    return {
-        "hidden_size": int(manifest["hidden_size"]),
-        "num_layers": int(manifest["num_layers"]),
-        "vocab_size": int(manifest["vocab_size"]),
-        "aux_layer_ids": list(manifest["aux_layer_ids"]),
-        "architecture": manifest["target"].get("architecture") or (raw.get("architectures") or [None])[0],
-        "num_attention_heads": text.get("num_attention_heads"),
-        "num_key_value_heads": text.get("num_key_value_heads"),
-        "head_dim": raw_text.get("head_dim"),  # DeepseekV3Config.head_dim is the rope dim: trust only the file
-        "intermediate_size": text.get("intermediate_size"),
-        "rms_norm_eps": text.get("rms_norm_eps"),
-        "max_position_embeddings": text.get("max_position_embeddings"),
-        "hidden_act": text.get("hidden_act"),
-        "rope": {k: text[k] for k in ("rope_theta", "rope_scaling", "rope_parameters") if text.get(k) is not None},
-        # an MLA target's latent sizes: what an MLA drafter copies (DeepSeek-V3, Kimi-K2.5)
-        "mla": {k: text[k] for k in MLA_FIELDS if text.get(k) is not None} if text.get("kv_lora_rank") else None,
-    }
-
-
-FINGERPRINT_KEYS = ("tokenizer_hash", "chat_template_hash")
-
-
-def check_init_fingerprint(init_from: Path, manifest: dict, data: str) -> None:
-    """Refuse --init-from a redraft drafter trained on data of another tokenizer or chat template.
-
-    Shapes can agree while token ids mean different things (same vocab size, other tokenizer):
-    the drafter's d2t mapping and everything it learnt would then be silently wrong. Foreign
-    folders (no redraft.json) carry no fingerprint; only their shapes are checked.
-    """
-    from core.drafter.folder import REDRAFT_RECORD, CheckpointError
-
-    path = init_from / REDRAFT_RECORD
-    if not path.is_file():
-        return
-    try:
-        recorded = (json.loads(path.read_text()).get("dataset") or {})
-    except ValueError as e:
-        raise CheckpointError(f"{path}: not valid JSON: {e}") from e
-    problems = [
-        f"{key}: {init_from} was trained on {recorded[key]!r}, {data} has {manifest.get(key)!r}"
-        for key in FINGERPRINT_KEYS
-        if recorded.get(key) and manifest.get(key) and recorded[key] != manifest[key]
-    ]
-    if problems:
-        raise CheckpointError(f"--init-from {init_from} does not fit the data: " + "; ".join(problems))
+    if universal:
+        ds.setdefault("checkpoint", {})["load_universal"] = True
 
 
 def cosine_with_warmup(total_steps: int, warmup_ratio: float, min_ratio: float):
@@ -188,162 +128,38 @@ def setup_logging(rank: int, main_process: bool) -> None:
     )
 
 
-# ============================================================================ main
+# ============================================================================ parts
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    cfg = parse_cli(list(sys.argv[1:] if argv is None else argv))
-
-    # ---------------------------------------------------------------- setup
-    from accelerate.utils import set_seed
-
-    from core.dataset.batch import collate
-    from core.dataset.reader import DatasetReader
-    from core.drafter.config import MLA_FIELDS, DrafterConfig
-    from core.drafter.folder import WEIGHTS_NAME, load_drafter_checkpoint, read_record
-    from core.drafter.modeling import Eagle3Drafter
-    from core.drafter.serving_format import load_serving_weights
-    from core.drafter.vocab import build_vocab_mapping
-    from core.target_weights import read_target_tensor, weight_key_candidates
-    from train.checkpoint import (
-        check_init_compatible,
-        find_resume_checkpoint,
-        read_trainer_state,
-        save_checkpoint,
-    )
-    from train.data import DistributedBucketSampler, FeatureDataset, SamplerState, split_by_id
-    from train.tracking import StepStats, Tracker
-    from train.ttt import TTTModel
-    from train.warm_start import warm_start
-
-    accelerator = make_accelerator(cfg)
-    rank, world = accelerator.process_index, accelerator.num_processes
-    setup_logging(rank, accelerator.is_main_process)
-    log.info("world size %d, distributed type %s, device %s", world, accelerator.distributed_type, accelerator.device)
-    out = Path(cfg.out)
-    set_seed(cfg.seed)
-
-    # ---------------------------------------------------------------- data
-    reader = DatasetReader(cfg.data)
-    manifest = reader.manifest
-    teacher_kind = cfg.teacher
-    if teacher_kind == "auto":
-        teacher_kind = "topk" if reader.has_topk else "last_hidden"
-    if (teacher_kind == "topk" and not reader.has_topk) or (teacher_kind == "last_hidden" and not reader.has_last_hidden):
-        raise ValueError(f"teacher={teacher_kind} but {cfg.data} stores teacher {manifest.get('teacher')}")
-    lengths = [min(n, cfg.max_length) if cfg.max_length > 0 else n for n in reader.lengths]
-    train_idx, val_idx = split_by_id(reader.sample_ids, cfg.val_fraction, cfg.val_max_samples, cfg.seed)
-    batching = dict(tokens_per_batch=cfg.tokens_per_batch, max_samples=cfg.micro_batch_size,
-                    mega_batch_samples=cfg.mega_batch_samples, seed=cfg.seed, rank=rank, world_size=world)
-    sampler = DistributedBucketSampler(train_idx, lengths, grad_accum=cfg.grad_accum, **batching)
-    val_sampler = DistributedBucketSampler(val_idx, lengths, shuffle=False, **batching)
-    sampler.check_trainable(cfg.data)
-    total_steps = cfg.max_steps or sum(sampler.steps_in_epoch(e) for e in range(cfg.num_epochs))
-    dataset = FeatureDataset(reader)
-    in_dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
-    log.info("data: %d train / %d val samples, %d steps/epoch/rank, %d total steps, teacher %s",
-             len(train_idx), len(val_idx), sampler.steps_in_epoch(0), total_steps, teacher_kind)
-
-    def loader(batches: list[list[int]]) -> DataLoader:
-        return DataLoader(dataset, batch_sampler=batches, num_workers=cfg.num_workers,
-                          collate_fn=functools.partial(collate, max_length=cfg.max_length))
-
-    # ---------------------------------------------------------------- model
-    target_path = Path(cfg.target_path or manifest["target"]["path"])
-    info = target_info(manifest, target_path)
-    names = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
-             "max_position_embeddings", "rope_theta", *MLA_FIELDS)
-    overrides = {k: getattr(cfg, k) for k in names if getattr(cfg, k) is not None}
-    wanted = DrafterConfig.from_target(
-        info, cfg.draft_vocab_size, attention=cfg.drafter_attention,
-        torch_dtype="bfloat16" if cfg.dtype == "bf16" else "float32", **overrides
-    )
-    ckpt = find_resume_checkpoint(out, cfg.resume)
-    init_state = None
-    if cfg.init_from:
-        init_cfg, init_state = load_drafter_checkpoint(
-            cfg.init_from, target_architecture=wanted.target_architecture, target_num_layers=wanted.target_num_layers
-        )
-        # shapes tied to the data must agree; architecture fields come from the init drafter unless overridden.
-        # A rebuilt draft vocabulary takes this run's draft_vocab_size, as a scratch run does.
-        rebuild = cfg.warm_start_vocab == "rebuild"
-        fields = ("attention", "hidden_size", "target_hidden_size", "vocab_size",
-                  *(() if rebuild else ("draft_vocab_size",)),
-                  "aux_layer_ids", *[k for k in overrides if k not in ("max_position_embeddings", "rope_theta")])
-        check_init_compatible(init_cfg, wanted, cfg.init_from, fields)
-        check_init_fingerprint(Path(cfg.init_from), manifest, cfg.data)
-        drafter_cfg = DrafterConfig.from_dict({
-            **init_cfg.to_dict(), "target_architecture": wanted.target_architecture,
-            "target_num_layers": wanted.target_num_layers, "torch_dtype": wanted.torch_dtype,
-            **{k: v for k, v in overrides.items() if k in ("max_position_embeddings", "rope_theta")},
-            **({"draft_vocab_size": wanted.draft_vocab_size} if rebuild else {}),
-        })
-    else:
-        drafter_cfg = wanted
-    drafter = Eagle3Drafter(drafter_cfg)
-    embed_keys, head_keys = weight_key_candidates(json.loads((target_path / "config.json").read_text()))
-    drafter.load_target_embedding(target_path, embed_keys)
-    drafter.embed_tokens.weight.requires_grad_(False)
-    warm_info = None
-    if ckpt is not None:
-        # Resume restores the run's own checkpoint exactly (training_state/ below): neither the warm start nor the
-        # vocabulary is redone, so the vocabulary is the one the run was trained with, whatever the counts say now.
-        drafter.load_serving_state_dict(load_serving_weights(ckpt / WEIGHTS_NAME))
-        warm_info = (read_record(ckpt) or {}).get("warm_start")
-        if cfg.init_from:
-            log.info("resuming %s: --init-from %s is not applied again (the checkpoint holds the warm-started "
-                     "drafter)", ckpt, cfg.init_from)
-    elif init_state is not None:
-        warm_info = warm_start(drafter, init_state, reader.token_counts(), cfg.warm_start_vocab, cfg.init_from)
-    else:
-        drafter.set_vocab_mapping(*build_vocab_mapping(reader.token_counts(), drafter_cfg.draft_vocab_size))
-    lm_head = None
-    if teacher_kind == "last_hidden":
-        lm_head = read_target_tensor(target_path, head_keys)[0].to(accelerator.device)
-    model = TTTModel(drafter, steps=cfg.ttt_steps, decay=cfg.ttt_decay, teacher=teacher_kind, lm_head=lm_head,
-                     teacher_chunk_tokens=cfg.teacher_chunk_tokens)
-    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    log.info("drafter: %s, %.2fM trainable parameters", drafter_cfg, n_train / 1e6)
-
-    # ---------------------------------------------------------------- optimizer
+def build_optimizer(cfg: TrainConfig, model: torch.nn.Module, total_steps: int) -> tuple[Any, Any]:
+    """AdamW over the trainable parameters and the cosine schedule, stepped by hand once per optimizer step
+    (accelerate's prepared scheduler would step world-size times)."""
     optimizer = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad],
         lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
     )
-    # Stepped by hand once per optimizer step (accelerate's prepared scheduler steps world-size times).
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, cosine_with_warmup(total_steps, cfg.warmup_ratio, cfg.min_lr_ratio)
-    )
-    configure_deepspeed(accelerator, cfg)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    # The scheduler's state goes into trainer_state.json, not register_for_checkpointing: accelerate
-    # unpickles registered objects with weights_only=False, and a checkpoint must not be able to run code.
-    unwrapped = accelerator.unwrap_model(model)
+        optimizer, cosine_with_warmup(total_steps, cfg.warmup_ratio, cfg.min_lr_ratio))
+    return optimizer, scheduler
 
-    # ---------------------------------------------------------------- resume
-    step, state = 0, SamplerState()
-    tokens_seen, last_saved = 0, -1
-    if ckpt is not None:
-        ts = read_trainer_state(ckpt)
-        if int(ts["world_size"]) != world:
-            raise ValueError(f"{ckpt}: saved with world size {ts['world_size']}, this run has {world}")
-        pickled = sorted((ckpt / "training_state").glob("custom_checkpoint_*.pkl"))
-        if pickled:
-            raise ValueError(f"{pickled[0]}: a pickled LR scheduler from an older redraft (not loaded: pickles can "
-                             "run code); delete the file to resume, the schedule is recomputed from the step")
-        accelerator.load_state(str(ckpt / "training_state"))
-        step, state = int(ts["step"]), SamplerState(int(ts["epoch"]), int(ts["position"]))
-        tokens_seen = int(ts.get("tokens_seen", 0))
-        if "scheduler" in ts:
-            scheduler.load_state_dict(ts["scheduler"])
-        else:  # older checkpoints: LambdaLR is a pure function of the step count
-            for _ in range(step):
-                scheduler.step()
-        last_saved = step
-        log.info("resumed from %s: step %d, epoch %d, position %d", ckpt, step, state.epoch, state.position)
-    elif cfg.resume == "auto":
-        log.info("resume=auto: no checkpoint under %s, starting fresh", out)
 
+def plan_resume(cfg: TrainConfig) -> tuple[TrainConfig, ResumePoint | None]:
+    """The checkpoint to resume from, fitted to this launch's world size (before the accelerator exists: an
+    elastic resume sets grad_accum); the config as this run uses it."""
+    from train.checkpoint import find_resume_checkpoint, resume_point
+
+    folder = find_resume_checkpoint(Path(cfg.out), cfg.resume)
+    if folder is None:
+        if cfg.resume == "auto":
+            log.info("resume=auto: no checkpoint under %s, starting fresh", cfg.out)
+        return cfg, None
+    point = resume_point(folder, int(os.environ.get("WORLD_SIZE", "1")), cfg.grad_accum)
+    return replace(cfg, grad_accum=point.grad_accum), point
+
+
+def run_record(cfg: TrainConfig, data: TrainData, warm_info: dict[str, Any] | None) -> dict[str, Any]:
+    """redraft.json of every checkpoint: the dataset's fingerprint, the held-out ids, the config."""
+    manifest = data.reader.manifest
     record = {
         "format": "redraft-checkpoint",
         "dataset": {
@@ -352,104 +168,251 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "chat_template_hash": manifest.get("chat_template_hash"),
             "target_config_hash": manifest["target"].get("config_hash"),
             "target_name": manifest["target"].get("name"),
-            "num_samples": len(reader),
-            "teacher": teacher_kind,
+            "num_samples": data.num_samples,
+            "teacher": data.teacher,
         },
-        "val_ids": [reader.sample_ids[i] for i in val_idx],
+        "val_ids": data.val_ids,
         "train_config": cfg.to_dict(),
     }
     if warm_info is not None:
         record["warm_start"] = warm_info
-    tracker = Tracker(accelerator, out, config=cfg.to_dict(), total_steps=total_steps, start_step=step,
-                      report_to=cfg.report_to, project=cfg.wandb_project, run_name=cfg.run_name or out.name)
-    ids_log = None
-    if cfg.log_sample_ids:
-        (out / "sample_ids").mkdir(parents=True, exist_ok=True)
-        ids_log = open(out / "sample_ids" / f"rank-{rank}.jsonl", "a")
+    return record
 
-    def evaluate() -> dict[str, Any] | None:
-        batches = val_sampler.rank_batches(0)
+
+class Trainer:
+    """The prepared model, optimizer and data of one run, and where it stands; ``fit`` is the loop."""
+
+    def __init__(self, cfg: TrainConfig, accelerator: Any, data: TrainData, model: Any, optimizer: Any,
+                 scheduler: Any, record: dict[str, Any]) -> None:
+        from train.tracking import StepStats
+
+        self.cfg, self.accelerator, self.data = cfg, accelerator, data
+        self.model, self.optimizer, self.scheduler, self.record = model, optimizer, scheduler, record
+        self.unwrapped = accelerator.unwrap_model(model)
+        self.world = accelerator.num_processes
+        self.in_dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
+        self.step, self.tokens_seen, self.last_saved = 0, 0, -1
+        self.state = SamplerState()
+        self.stats = StepStats(cfg.ttt_steps, accelerator.device)
+        self.grad_norm: Any = float("nan")  # a device tensor between log steps: float() only when logged
+        self.lr = float("nan")  # of the last optimizer step
+        self.tracker: Any = None
+        self.ids_log: Any = None
+        self.finished = False  # the data ran out (a stream, read once) before the schedule's end
+
+    # ------------------------------------------------------------------------------------------ resume
+
+    def resume(self, point: ResumePoint | None) -> None:
+        """Optimizer, schedule and data position from the checkpoint (its drafter weights are loaded already)."""
+        if point is None:
+            return
+        from train.checkpoint import TRAINING_STATE, universal_training_state
+
+        ts_dir = point.folder / TRAINING_STATE
+        pickled = sorted(ts_dir.glob("custom_checkpoint_*.pkl"))
+        if pickled:
+            raise ValueError(f"{pickled[0]}: a pickled LR scheduler from an older redraft (not loaded: pickles can "
+                             "run code); delete the file to resume, the schedule is recomputed from the step")
+        uses_deepspeed = getattr(self.accelerator.state, "deepspeed_plugin", None) is not None
+        if point.deepspeed != uses_deepspeed:
+            saved, now = ("DeepSpeed", "without it") if point.deepspeed else ("without DeepSpeed", "with it")
+            raise ValueError(f"{ts_dir}: saved {saved}, this run is launched {now}; resume with the launch "
+                             "config the run was saved with (its number of processes may differ)")
+        if point.elastic and uses_deepspeed:
+            ts_dir = universal_training_state(point, self.accelerator)
+        self.accelerator.load_state(str(ts_dir))
+        # accelerate's micro-batch counter decides which micro-batch syncs (step % grad_accum); it comes back
+        # from the saved run, in that run's grad_accum: restate it in this run's (elastic resume changes it)
+        self.accelerator.step = point.step * self.cfg.grad_accum
+        self.step, self.tokens_seen, self.last_saved = point.step, point.tokens_seen, point.step
+        self.state = SamplerState(point.epoch, point.position)
+        self.data.load_state_dict(point.data)
+        if point.scheduler is not None:
+            self.scheduler.load_state_dict(point.scheduler)
+            for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True):
+                group["lr"] = lr  # the universal load does not carry the groups' lr; the schedule does
+        else:  # older checkpoints: LambdaLR is a pure function of the step count
+            for _ in range(self.step):
+                self.scheduler.step()
+        log.info("resumed from %s: step %d, epoch %d, global position %d%s", point.folder, self.step,
+                 self.state.epoch, self.state.position,
+                 f" (saved on {point.saved_world_size} process(es), now {self.world} x grad_accum "
+                 f"{point.grad_accum})" if point.elastic else "")
+
+    # ------------------------------------------------------------------------------------------ step
+
+    def train_step(self, batch: Any) -> bool:
+        """Forward, backward and (at a gradient-sync micro-batch) the optimizer step; True when it stepped."""
+        acc, cfg = self.accelerator, self.cfg
+        self.state.position += self.world  # every rank trains one micro-batch of the global list
+        with acc.accumulate(self.model):
+            out = self.model(batch.to(acc.device, self.in_dtype))
+            acc.backward(out.loss)
+            if acc.sync_gradients:
+                norm = acc.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+                self.grad_norm = norm.detach() if isinstance(norm, torch.Tensor) else norm
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.stats.add(out, batch.num_tokens, int(batch.loss_mask.sum()))
+        self.tokens_seen += batch.num_tokens
+        if self.ids_log is not None:
+            self.ids_log.write(json.dumps({"epoch": self.state.epoch, "position": self.state.position,
+                                           "ids": batch.sample_ids}) + "\n")
+        if not acc.sync_gradients:
+            return False
+        self.lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        self.step += 1
+        return True
+
+    def evaluate(self) -> dict[str, Any] | None:
+        """Loss, accuracy per TTT step and τ on the held-out samples (a collective)."""
+        from train.tracking import StepStats
+
+        batches = self.data.val_batches()
         if not batches:
             return None
-        stats = StepStats(cfg.ttt_steps, accelerator.device)
-        model.eval()
+        stats = StepStats(self.cfg.ttt_steps, self.accelerator.device)
+        self.model.eval()
         with torch.no_grad():
-            for batch in loader(batches):
-                stats.add(model(batch.to(accelerator.device, in_dtype)), batch.num_tokens, int(batch.loss_mask.sum()))
-        model.train()
-        return stats.summary(accelerator)
+            for batch in self.data.loader(batches):
+                stats.add(self.model(batch.to(self.accelerator.device, self.in_dtype)), batch.num_tokens,
+                          int(batch.loss_mask.sum()))
+        self.model.train()
+        return stats.summary(self.accelerator)
 
-    def save() -> Path:
-        trainer_state = {"step": step, "epoch": state.epoch, "position": state.position, "world_size": world,
-                         "tokens_seen": tokens_seen, "total_steps": total_steps, "scheduler": scheduler.state_dict()}
-        return save_checkpoint(accelerator, out, step, drafter=unwrapped.drafter, record={**record, "step": step},
-                               trainer_state=trainer_state, keep_last=cfg.keep_last)
+    def save(self) -> Path:
+        from train.checkpoint import ORDER_RULE, save_checkpoint
 
-    # ---------------------------------------------------------------- loop
-    model.train()
-    stats = StepStats(cfg.ttt_steps, accelerator.device)
-    t_window, last_val = time.perf_counter(), None
-    grad_norm: Any = float("nan")  # a device tensor between log steps: float() only when logged (no host sync)
-    end_step = min(total_steps, cfg.stop_at_step) if cfg.stop_at_step > 0 else total_steps
-    while step < end_step:
-        for batch in loader(sampler.remaining(state)):
-            state.position += 1
-            with accelerator.accumulate(model):
-                out_ttt = model(batch.to(accelerator.device, in_dtype))
-                accelerator.backward(out_ttt.loss)
-                if accelerator.sync_gradients:
-                    norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-                    grad_norm = norm.detach() if isinstance(norm, torch.Tensor) else norm
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            stats.add(out_ttt, batch.num_tokens, int(batch.loss_mask.sum()))
-            tokens_seen += batch.num_tokens
-            if ids_log is not None:
-                ids_log.write(json.dumps({"epoch": state.epoch, "position": state.position,
-                                          "ids": batch.sample_ids}) + "\n")
-            if not accelerator.sync_gradients:
-                continue
-            lr = scheduler.get_last_lr()[0]
-            scheduler.step()
-            step += 1
-            if step % cfg.log_every == 0 or step == total_steps:
-                m = stats.summary(accelerator)
-                elapsed = time.perf_counter() - t_window
-                m.update(lr=lr, grad_norm=float("nan") if grad_norm is None else float(grad_norm), epoch=state.epoch,
-                         tokens_per_s=m["tokens"] / max(elapsed, 1e-9))
-                tracker.log("train", step, m)
-                tracker.progress(step, m)
-                stats.reset()
-                t_window = time.perf_counter()
-            else:
-                tracker.progress(step)
-            if (cfg.eval_every and step % cfg.eval_every == 0) or step == total_steps:
-                last_val = evaluate()
-                if last_val is not None:
-                    tracker.log("val", step, last_val)
-            if (cfg.save_every and step % cfg.save_every == 0) or step == end_step:
-                save()
-                last_saved = step
-            if step >= end_step:
+        trainer_state = {"step": self.step, "epoch": self.state.epoch, "position": self.state.position,
+                         "order_rule": ORDER_RULE, "world_size": self.world,
+                         "micro_batches_per_step": self.world * self.cfg.grad_accum,
+                         "tokens_seen": self.tokens_seen, "total_steps": self.data.total_steps,
+                         "scheduler": self.scheduler.state_dict(), "data": self.data.state_dict()}
+        folder = save_checkpoint(self.accelerator, self.cfg.out, self.step, drafter=self.unwrapped.drafter,
+                                 record={**self.record, "step": self.step}, trainer_state=trainer_state,
+                                 keep_last=self.cfg.keep_last)
+        self.last_saved = self.step
+        self.data.saved(self.state, finished=self.finished)  # a stream consumes the shards behind the checkpoint
+        return folder
+
+    def _save_if_behind(self) -> None:
+        """Before waiting for data: save unsaved progress, so that a stream can consume what lies behind it."""
+        if self.last_saved != self.step:
+            log.info("waiting for data at step %d: saving first, so the shards behind it can go", self.step)
+            self.save()
+
+    # ------------------------------------------------------------------------------------------ loop
+
+    def fit(self) -> dict[str, Any]:
+        """Train to the end of the schedule (or ``stop_at_step``), logging, evaluating and saving on schedule."""
+        from train.tracking import Tracker
+
+        cfg, out, total = self.cfg, Path(self.cfg.out), self.data.total_steps
+        self.tracker = Tracker(self.accelerator, out, config=cfg.to_dict(), total_steps=total, start_step=self.step,
+                               report_to=cfg.report_to, project=cfg.wandb_project, run_name=cfg.run_name or out.name)
+        if cfg.log_sample_ids:
+            (out / "sample_ids").mkdir(parents=True, exist_ok=True)
+            # line-buffered: a killed run leaves whole lines, every one up to its last micro-batch
+            self.ids_log = open(out / "sample_ids" / f"rank-{self.accelerator.process_index}.jsonl", "a", buffering=1)
+        end_step = min(total, cfg.stop_at_step) if cfg.stop_at_step > 0 else total
+        self.last_val, self.t_window = None, time.perf_counter()
+        self.model.train()
+        while self.step < end_step:
+            if self._train_epoch(end_step):
                 break
-        else:
-            state.epoch, state.position = state.epoch + 1, 0
-    if last_saved != step:
-        save()
+            if self.data.exhausted():
+                self.finished = True
+                log.warning("the stream is trained to its end at step %d of the schedule's %d (a larger dataset "
+                            "or stream_keep for more epochs would have filled it)", self.step, total)
+                break
+            self.state = SamplerState(self.state.epoch + 1, 0)
+        if self.last_saved != self.step:
+            self.save()
+        elif self.finished:
+            self.data.saved(self.state, finished=True)
+        self.data.close(self.step, self.finished)
+        return self._finish(self.last_val)
 
-    # ---------------------------------------------------------------- done
-    if ids_log is not None:
-        ids_log.close()
-    tracker.close()
-    summary = {"step": step, "epoch": state.epoch, "tokens_seen": tokens_seen, "out": str(out)}
-    if last_val is not None:
-        summary.update(val_loss=round(last_val["loss"], 4), val_acc0=round(last_val["acc"][0], 4),
-                       val_tau=round(last_val["tau"], 3))
-    if accelerator.is_main_process:
-        print("redraft train done: " + " ".join(f"{k}={v}" for k, v in summary.items()), flush=True)
-    accelerator.wait_for_everyone()
-    accelerator.end_training()  # finishes wandb and destroys the process group
-    return summary
+    def _train_epoch(self, end_step: int) -> bool:
+        """The rest of the epoch, chunk by chunk as the data has it; True when ``end_step`` is reached."""
+        cfg, total = self.cfg, self.data.total_steps
+        for chunk in self.data.chunks(self.state, self._save_if_behind):
+            for batch in self.data.loader(chunk):
+                if not self.train_step(batch):
+                    continue
+                if self.step % cfg.log_every == 0 or self.step == total:
+                    self._log_train(time.perf_counter() - self.t_window)
+                    self.t_window = time.perf_counter()
+                else:
+                    self.tracker.progress(self.step)
+                if (cfg.eval_every and self.step % cfg.eval_every == 0) or self.step == total:
+                    self.last_val = self.evaluate()
+                    if self.last_val is not None:
+                        self.tracker.log("val", self.step, self.last_val)
+                if (cfg.save_every and self.step % cfg.save_every == 0) or self.step == end_step:
+                    self.save()
+                if self.step >= end_step:
+                    return True
+        return False
+
+    def _log_train(self, elapsed: float) -> None:
+        m = self.stats.summary(self.accelerator)
+        grad_norm = float("nan") if self.grad_norm is None else float(self.grad_norm)
+        m.update(lr=self.lr, grad_norm=grad_norm, epoch=self.state.epoch, tokens_per_s=m["tokens"] / max(elapsed, 1e-9))
+        self.tracker.log("train", self.step, m)
+        self.tracker.progress(self.step, m)
+        self.stats.reset()
+
+    def _finish(self, last_val: dict[str, Any] | None) -> dict[str, Any]:
+        if self.ids_log is not None:
+            self.ids_log.close()
+        self.tracker.close()
+        summary = {"step": self.step, "epoch": self.state.epoch, "tokens_seen": self.tokens_seen,
+                   "out": str(self.cfg.out)}
+        if last_val is not None:
+            summary.update(val_loss=round(last_val["loss"], 4), val_acc0=round(last_val["acc"][0], 4),
+                           val_tau=round(last_val["tau"], 3))
+        if self.accelerator.is_main_process:
+            print("redraft train done: " + " ".join(f"{k}={v}" for k, v in summary.items()), flush=True)
+        self.accelerator.wait_for_everyone()
+        self.accelerator.end_training()  # finishes wandb and destroys the process group
+        return summary
+
+
+# ============================================================================ main
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    from accelerate.utils import set_seed
+
+    from train.data import build_data
+    from train.drafter_setup import build_drafter, read_lm_head
+    from train.ttt import TTTModel
+
+    cfg, point = plan_resume(parse_cli(list(sys.argv[1:] if argv is None else argv)))
+    accelerator = make_accelerator(cfg)
+    setup_logging(accelerator.process_index, accelerator.is_main_process)
+    log.info("world size %d, distributed type %s, device %s", accelerator.num_processes,
+             accelerator.distributed_type, accelerator.device)
+    set_seed(cfg.seed)
+
+    data = build_data(cfg, accelerator.process_index, accelerator.num_processes, accelerator, point)
+    built = build_drafter(cfg, data.reader, None if point is None else point.folder)
+    lm_head = read_lm_head(built, accelerator.device) if data.teacher == "last_hidden" else None
+    model = TTTModel(built.drafter, steps=cfg.ttt_steps, decay=cfg.ttt_decay, teacher=data.teacher, lm_head=lm_head,
+                     teacher_chunk_tokens=cfg.teacher_chunk_tokens)
+    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    log.info("drafter: %s, %.2fM trainable parameters", built.drafter.config, n_train / 1e6)
+
+    optimizer, scheduler = build_optimizer(cfg, model, data.total_steps)
+    configure_deepspeed(accelerator, cfg, universal=point is not None and point.elastic)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    # The scheduler's state goes into trainer_state.json, not register_for_checkpointing: accelerate
+    # unpickles registered objects with weights_only=False, and a checkpoint must not be able to run code.
+    trainer = Trainer(cfg, accelerator, data, model, optimizer, scheduler, run_record(cfg, data, built.warm_start))
+    trainer.resume(point)
+    return trainer.fit()
 
 
 if __name__ == "__main__":

@@ -41,9 +41,13 @@ class DatasetReader:
 
     _MAX_OPEN = 64
 
-    def __init__(self, root: str | Path, *, verify_checksums: bool = False) -> None:
+    def __init__(self, root: str | Path, *, verify_checksums: bool = False, manifest: dict | None = None) -> None:
+        """``manifest``: read these shards of ``root`` instead of its manifest.json (the streaming trainer's
+        window, core.dataset.window: the dataset header plus ``shards`` entries); token counts then come
+        from the shards themselves."""
         self.root = Path(root)
-        self.manifest: dict = load_manifest(self.root)
+        self._partial = manifest is not None
+        self.manifest: dict = load_manifest(self.root) if manifest is None else manifest
         self._paths: list[Path] = []
         self._headers: list[ShardHeader] = []
         self.sample_ids: list[str] = []
@@ -194,6 +198,10 @@ class DatasetReader:
 
     def token_counts(self) -> torch.Tensor:
         """int64 [vocab_size] loss-masked token counts (for draft-vocabulary selection)."""
+        if self._partial:
+            from core.dataset.writer import count_tokens
+
+            return count_tokens(self._paths, int(self.manifest["vocab_size"]))
         path = self.root / COUNTS_NAME
         if not path.is_file():
             raise DatasetError(f"{path}: token counts file is missing")

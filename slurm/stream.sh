@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Streaming on one machine: extraction fills a bounded window of shards while training consumes it.
+#
+#   bash slurm/stream.sh DATA_DIR RUN_DIR                         # configs/demo/extract.yaml + configs/demo/train.yaml
+#   WINDOW=64GiB EXTRACT_CONFIG=... TRAIN_CONFIG=... bash slurm/stream.sh /data/ds /runs/drafter [train flags...]
+#
+# The two sides are the two ordinary commands on one folder: `python -m extract --window-bytes $WINDOW` and
+# `train/main.py --stream` (extra arguments go to training). Either may be killed and rerun with the same
+# command: extraction keeps its sealed shards, training resumes its checkpoint (--resume auto). Peak disk:
+# the window plus one shard. On a cluster the same two run as two jobs over a shared filesystem:
+#
+#   sbatch slurm/extract.sh --out /shared/ds --window-bytes 64GiB         # inference nodes (an array)
+#   sbatch slurm/train.sh --data /shared/ds --stream --resume auto        # training nodes
+#
+# See docs/kimi-k25.md ("Streaming") for the Kimi-K2.5 recipe and its disk budget.
+set -euo pipefail
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$REPO"
+die() { echo "[slurm/stream.sh] error: $*" >&2; exit 2; }
+[[ $# -ge 2 ]] || die "usage: bash slurm/stream.sh DATA_DIR RUN_DIR [train flags...]"
+DATA=$1 RUN=$2
+shift 2
+PYTHON=${PYTHON:-$REPO/.venv/bin/python}
+[[ -x "$PYTHON" ]] || die "PYTHON=$PYTHON is not an executable interpreter (make venv, or set PYTHON)"
+EXTRACT_CONFIG=${EXTRACT_CONFIG:-configs/demo/extract.yaml}
+TRAIN_CONFIG=${TRAIN_CONFIG:-configs/demo/train.yaml}
+WINDOW=${WINDOW:-8GiB}
+
+"$PYTHON" -m extract --config "$EXTRACT_CONFIG" --out "$DATA" --window-bytes "$WINDOW" &
+EXTRACT=$!
+"$PYTHON" train/main.py --config "$TRAIN_CONFIG" --data "$DATA" --out "$RUN" --stream --resume auto "$@" &
+TRAIN=$!
+trap 'kill $EXTRACT $TRAIN 2>/dev/null || true' INT TERM
+status=0
+wait $TRAIN || status=$?
+wait $EXTRACT || status=$((status ? status : $?))
+echo "[slurm/stream.sh] training exit ${status}; data $DATA, run $RUN" >&2
+exit $status
