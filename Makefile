@@ -11,7 +11,7 @@ export DS_ACCELERATOR := cpu
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv test test-fast demo lint clean
+.PHONY: venv test campaigns test-fast demo lint clean
 
 $(VENV)/.installed: pyproject.toml requirements/cpu.txt
 	$(PYTHON) -m venv $(VENV)
@@ -24,7 +24,11 @@ $(VENV)/.installed: pyproject.toml requirements/cpu.txt
 venv: $(VENV)/.installed
 
 test: venv
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -m "not campaign" tests
+
+# The campaigns lane: SIGKILL-and-resume campaigns, streaming, multi-process training (real processes).
+campaigns: venv
+	$(PY) -m pytest -q -m campaign tests
 
 test-fast: venv
 	$(PY) -m pytest -q -m "not slow" tests

@@ -81,6 +81,7 @@ def small_reference(world) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.campaign
 def test_kill_and_resume_extraction_is_byte_identical(world, reference, tmp_path):
     out = tmp_path / "ds"
     args = _args(world, out)
@@ -122,6 +123,7 @@ def test_kill_and_resume_extraction_is_byte_identical(world, reference, tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.campaign
 def test_concurrent_ranks_write_the_same_bytes_as_one(world, small_reference, tmp_path):
     out = tmp_path / "ds"
     log = tmp_path / "ranks.log"

@@ -234,6 +234,7 @@ def test_disk_full_while_writing_a_checkpoint(world, straight, tmp_path, monkeyp
 
 
 @pytest.mark.slow
+@pytest.mark.campaign
 def test_kill_and_resume_training_is_bit_exact(world, straight, tmp_path):
     out = tmp_path / "run"
     args = base_args(world["data"], out, max_steps=10, save_every=2, resume="auto")

@@ -31,7 +31,7 @@ from core.dataset.window import folder_bytes, seal_path
 from extract.config import parse_args
 from extract.pipeline import run_extraction
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.campaign]
 
 RECORDS, PER_SHARD = 960, 10  # 96 shards of ~340 KB
 KILLS = 20
@@ -202,16 +202,68 @@ def test_a_corrupt_or_foreign_shard_is_refused_by_name(world, tmp_path):
     from train.stream import StreamSource
 
     ds = tmp_path / "ds"
-    assert run_extraction(parse_args(_extract_args(world["target"], world["corpus"], ds,
-                                                   window_shards=100))).manifest is not None
+    corpus = write_corpus(tmp_path / "corpus.jsonl", 6 * PER_SHARD, seed=5)  # 3 groups of 2 shards
+    assert run_extraction(parse_args(_extract_args(world["target"], corpus, ds, window_shards=100))).manifest
     cfg = parse_cli(_train_args(ds, tmp_path / "run", stream=True))
     source = StreamSource(ds, cfg, 0, 1, wait=True)
     assert source._landed(0)
-    flip_byte(ds / shard_relpath(1), 200)
-    with pytest.raises(DatasetError, match=r"shard-000001.safetensors: sha256 .* differs from its seal .*corrupt"):
-        source._landed(0)
-    seal = json.loads(seal_path(ds, 3).read_text())
-    seal_path(ds, 3).write_text(json.dumps({**seal, "plan": "0" * 64}))
-    with pytest.raises(DatasetError, match=r"shard-000003.seal.json: sealed for another extraction plan"):
+    flip_byte(ds / shard_relpath(3), 200)  # group 1, not read yet
+    with pytest.raises(DatasetError, match=r"shard-000003.safetensors: sha256 .* differs from its seal .*corrupt"):
         source._landed(1)
+    seal = json.loads(seal_path(ds, 5).read_text())  # group 2
+    seal_path(ds, 5).write_text(json.dumps({**seal, "plan": "0" * 64}))
+    with pytest.raises(DatasetError, match=r"shard-000005.seal.json: sealed for another extraction plan"):
+        source._landed(2)
     shutil.rmtree(ds)
+
+
+def test_slurm_stream_sh_runs_both_sides_on_one_machine(world, tmp_path):
+    """The one-machine command: extraction and training side by side; the trainer, done at --max-steps before
+    the stream ends, tells the waiting extraction to stop."""
+    import sys
+
+    import yaml
+    from helpers_faults import child_env
+
+    ext, tr = tmp_path / "extract.yaml", tmp_path / "train.yaml"
+    ext.write_text(yaml.safe_dump({"target": str(world["target"]), "data": [str(world["corpus"])],
+                                   "samples_per_shard": PER_SHARD, "max_length": 128, "batch_tokens": 1024,
+                                   "topk": 4}))
+    tr.write_text(yaml.safe_dump({"dtype": "fp32", "draft_vocab_size": 64, "tokens_per_batch": 160, "lr": 3e-3,
+                                  "ttt_steps": 3, "intermediate_size": 128, "save_every": 5, "eval_every": 0,
+                                  "log_every": 5, "report_to": "none", "stream_group_shards": 2,
+                                  "stream_poll_s": 0.2}))
+    env = {**child_env(), "PYTHON": sys.executable, "EXTRACT_CONFIG": str(ext), "TRAIN_CONFIG": str(tr),
+           "WINDOW": str(world["window"])}
+    ds, run = tmp_path / "ds", tmp_path / "run"
+    res = subprocess.run(["bash", "slurm/stream.sh", str(ds), str(run), "--max-steps", "20"], cwd=_root(),
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (run / "latest").read_text().strip() == "step-0000020"
+    assert json.loads((ds / "trainer_done.json").read_text())["step"] == 20
+    assert "the streaming trainer needs no more shards" in res.stderr
+    assert len(list((ds / "shards").glob("*.seal.json"))) < RECORDS // PER_SHARD  # it stopped early
+
+
+def _launch_two(args: list[str]) -> list[str]:
+    import sys
+
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+            "configs/accelerate/cpu-2proc-zero2.yaml", "--num_processes", "2", "train/main.py", *args]
+
+
+def test_two_ranks_stream_as_they_would_read_the_finished_folder(world, tmp_path):
+    """2 ranks under DeepSpeed ZeRO-2: rank 0 looks at the window and both follow; the streamed run equals the
+    2-rank run over the finished folder in the stream order, bit for bit."""
+    offline, streamed, ds = tmp_path / "offline", tmp_path / "streamed", tmp_path / "ds"
+    assert subprocess.run(_launch_two(_train_args(world["offline"], offline, stream=False, max_steps=40)),
+                          cwd=_root(), env=_env(), capture_output=True).returncode == 0
+    ex = start(extract_cmd(_extract_args(world["target"], world["corpus"], ds, window_bytes=world["window"])),
+               tmp_path / "extract.log")
+    tr = start(_launch_two(_train_args(ds, streamed, stream=True, max_steps=40)), tmp_path / "train.log")
+    assert tr.wait(600) == 0, (tmp_path / "train.log").read_text()[-3000:]
+    assert ex.wait(600) == 0, (tmp_path / "extract.log").read_text()[-3000:]
+    assert _same_weights(_weights(streamed), _weights(offline)) == 0.0
+    ids = {run: sorted(i for f in (run / "sample_ids").glob("rank-*.jsonl") for line in f.read_text().splitlines()
+                       for i in json.loads(line)["ids"]) for run in (offline, streamed)}
+    assert ids[streamed] == ids[offline] and len(ids[offline]) > 0

@@ -25,7 +25,7 @@ from core.dataset.reader import DatasetReader
 from train.data import DistributedBucketSampler, split_by_id
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.campaign]
 
 
 def launch(args: list[str], log: Path, processes: int = 2) -> None:

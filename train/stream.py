@@ -2,8 +2,9 @@
 
 The order rule (``data_order: stream``, with or without ``--stream``): shards in index order form groups of
 ``stream_group_shards``; group g's samples are shuffled and length-bucketed together (``length_bucketed_batches``
-with a seed of (seed, group), per epoch) and the epoch's global list of micro-batches is the groups' lists one
-after the other. A group's batches depend on its shards only, so the list grows by whole groups as shards land,
+with a seed of (seed, group), per epoch), cut to whole optimizer steps (W x grad_accum micro-batches, kept
+across an elastic resume), and the epoch's global list of micro-batches is the groups' lists one after the
+other. The window must hold a group and one more shard. A group's batches depend on its shards only, so the list grows by whole groups as shards land,
 and the trainer can run the prefix it has. Ranks are dealt that list as in the global order (``train.data``):
 rank r of W takes r, r+W, ... of what is left, in whole optimizer steps; only at the epoch's end is the tail
 that does not fill a step dropped. So a run that streams and a run over the finished folder with
@@ -91,6 +92,7 @@ class StreamSource:
     consumed_upto: int = 0  # groups [0, consumed_upto) are consumed (rank 0)
     _groups: dict[int, _Group] = field(default_factory=dict)
     _epoch: int = -1
+    _verified: set[int] = field(default_factory=set)  # shards whose file matched their seal (rank 0)
 
     def __post_init__(self) -> None:
         self.root = Path(self.root)
@@ -125,15 +127,27 @@ class StreamSource:
 
     def _landed(self, group: int) -> bool:
         """Rank 0's look at the folder, shared with every rank. --stream: every shard sealed, and its file as
-        sealed (a corrupt or foreign shard is refused by name); a finished folder: the files are there."""
-        ok = True
+        sealed (a corrupt or foreign shard is refused by name, on every rank); a finished folder: the files
+        are there. A shard's checksum is read once (rank 0 reads each landed shard in full one time)."""
+        ok, error = True, None
         if self.rank == 0:
-            shards = self.shards_of(group)
-            if self.wait:
-                ok = all(landed_shard(self.root, s, self.plan) is not None for s in shards)
-            else:
-                ok = all((self.root / shard_relpath(s)).is_file() for s in shards)
-        return bool(_broadcast(self.accelerator, ok))
+            try:
+                ok = all(self._shard_ok(s) for s in self.shards_of(group))
+            except DatasetError as e:
+                error = str(e)
+        ok, error = _broadcast(self.accelerator, (ok, error))
+        if error is not None:
+            raise DatasetError(error)
+        return bool(ok)
+
+    def _shard_ok(self, shard: int) -> bool:
+        if not self.wait:
+            return (self.root / shard_relpath(shard)).is_file()
+        if shard not in self._verified:
+            if landed_shard(self.root, shard, self.plan) is None:
+                return False
+            self._verified.add(shard)
+        return True
 
     def _wait_for(self, ready: Callable[[], bool], what: str) -> None:
         start = time.perf_counter()
@@ -163,7 +177,10 @@ class StreamSource:
         batches = length_bucketed_batches(
             keys, lengths, tokens_per_batch=self.cfg.tokens_per_batch, max_samples=self.cfg.micro_batch_size,
             mega_batch_samples=self.cfg.mega_batch_samples, seed=self.cfg.seed * 1_000_003 + group, epoch=epoch)
-        return _Group(group, shards, reader, batches)
+        # Whole steps per group (fewer than W x grad_accum micro-batches dropped): no step spans two groups, so
+        # a group is consumed as soon as its own steps are saved and the window never waits on the next one.
+        step = self.world_size * self.cfg.grad_accum
+        return _Group(group, shards, reader, batches[: len(batches) // step * step])
 
     def group(self, group: int, epoch: int) -> _Group:
         """Group ``group`` of ``epoch``, opened once it has landed (waiting for it with --stream)."""
