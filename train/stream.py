@@ -182,12 +182,15 @@ class StreamSource:
         step = self.world_size * self.cfg.grad_accum
         return _Group(group, shards, reader, batches[: len(batches) // step * step])
 
-    def group(self, group: int, epoch: int) -> _Group:
-        """Group ``group`` of ``epoch``, opened once it has landed (waiting for it with --stream)."""
+    def group(self, group: int, epoch: int, before_wait: Callable[[], None] | None = None) -> _Group:
+        """Group ``group`` of ``epoch``, opened once it has landed (waiting for it with --stream, after calling
+        ``before_wait`` on every rank)."""
         if self._epoch != epoch:
             self._groups, self._epoch = {}, epoch
         if group not in self._groups:
             if not self._landed(group):
+                if before_wait is not None:
+                    before_wait()
                 self._wait_for(lambda: self._landed(group),
                                f"group {group} of {self.num_groups} (shards {self.shards_of(group)}) in {self.root}")
             self._groups[group] = self._open(group, epoch)
@@ -203,37 +206,23 @@ class StreamSource:
     # --------------------------------------------------------------------------------------- the order
 
     def chunks(self, state: SamplerState, before_wait: Callable[[], None]) -> Iterator[list[list[int]]]:
-        """This rank's micro-batches of ``state.epoch`` after the first ``state.position`` global ones, in whole
-        steps, as groups land; ``before_wait`` runs (on every rank) before the source waits for a group."""
-        step = self.world_size * self.cfg.grad_accum
+        """This rank's micro-batches of ``state.epoch`` after the first ``state.position`` global ones, a group at
+        a time as groups land; ``before_wait`` runs (on every rank) before the source waits for a group. Groups
+        hold whole steps and a position is saved at a step's end, so every chunk is whole steps."""
         epoch, done = state.epoch, state.position
         sizes = self.group_sizes.get(str(epoch), [])
-        g, pos = 0, 0  # the next group to open, and the global index of its first micro-batch
-        while g < len(sizes) and pos + sizes[g] <= done:  # trained already (perhaps deleted): not reopened
-            pos += sizes[g]
-            g += 1
-        pending: list[list[int]] = []  # global micro-batches from `done` on, not dealt yet
-        while g < self.num_groups:
-            if g not in self._open_groups(epoch) and not self._landed(g):
-                before_wait()
-            batches = self.group(g, epoch).batches
-            pending += batches[max(done - pos, 0):]
-            pos, g = pos + len(batches), g + 1
-            whole = len(pending) // step * step
-            if whole:
-                chunk, pending = pending[:whole], pending[whole:]
-                done += whole
-                yield chunk[self.rank :: self.world_size]
-                self._close_groups_before(min((k // KEY_STRIDE // self.group_shards for b in pending for k in b),
-                                              default=g))
-        # the tail that does not fill a step is dropped, as at the end of an offline epoch
-
-    def _open_groups(self, epoch: int) -> dict[int, _Group]:
-        return self._groups if self._epoch == epoch else {}
-
-    def _close_groups_before(self, group: int) -> None:
-        for k in [k for k in self._groups if k < group]:
-            del self._groups[k]
+        first, pos = 0, 0  # the first group not yet trained, and the global index of its first micro-batch
+        while first < len(sizes) and pos + sizes[first] <= done:  # trained already (perhaps deleted): not reopened
+            pos += sizes[first]
+            first += 1
+        for g in range(first, self.num_groups):
+            group = self.group(g, epoch, before_wait)
+            batches = group.batches[max(done - pos, 0):]
+            pos += len(group.batches)
+            if batches:
+                yield batches[self.rank :: self.world_size]
+            for k in [k for k in self._groups if k < g]:  # this rank is done with them
+                del self._groups[k]
 
     def loader(self, batches: list[list[int]]) -> Any:
         import functools
