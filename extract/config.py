@@ -259,8 +259,7 @@ def _coerce(name: str, value: Any, typ: Any, where: str) -> Any:
     try:
         if origin is list:
             (inner,) = typing.get_args(typ)
-            items = value if isinstance(value, list) else _split_commas([value]) if isinstance(value, str) else [value]
-            return [inner(v) for v in items]
+            return [inner(v) for v in _split_commas(value if isinstance(value, list) else [value])]
         if typ is bool:
             if isinstance(value, bool):
                 return value

@@ -18,6 +18,7 @@ PARSERS = {
     "python -m eval.export": "eval.export",
     "python -m eval.serving": "eval.serving",
     "python -m eval.verify_engine": "eval.verify_engine",
+    "python -m eval.tune": "eval.tune",
 }
 
 
@@ -55,3 +56,14 @@ def test_underscore_spelling_is_accepted_everywhere(tmp_path):
 
     on = parse_hyphenated(online_parser(), ["ckpt", "--data", "d", "--max_new_tokens", "7"])
     assert on.max_new_tokens == 7
+
+
+def test_extract_list_options_take_commas(tmp_path):
+    """--aux-layer-ids 1,14,29 (eval.tune passes a drafter's layers that way); a config file's YAML list too."""
+    from extract.config import parse_args
+
+    base = ["--target", "m", "--data", "d.jsonl", "--out", "o"]
+    assert parse_args([*base, "--aux-layer-ids", "1,14,29"]).aux_layer_ids == [1, 14, 29]
+    cfg = tmp_path / "x.yaml"
+    cfg.write_text("aux_layer_ids: [2, 5, 7]\n")
+    assert parse_args([*base, "--config", str(cfg)]).aux_layer_ids == [2, 5, 7]
