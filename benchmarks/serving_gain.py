@@ -26,13 +26,12 @@ interpreter with ``--engine-python``. On a GPU, ``--dtype bfloat16`` is the usua
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +52,8 @@ from serving_gain_report import (  # noqa: E402
 
 from core.atomic import atomic_write_text  # noqa: E402
 from core.config import parse_hyphenated  # noqa: E402
-from core.engines.vllm import EngineError, EngineSettings, VLLMServer, engine_python  # noqa: E402
+from core.engines.vllm import EngineError, engine_python  # noqa: E402
+from eval.serving_repeats import ServerOptions, ServerSpec, SweepError, run_interleaved  # noqa: E402
 from eval.serving_report import exit_for_failed_levels  # noqa: E402
 
 log = logging.getLogger("bench.serving_gain")
@@ -151,18 +151,6 @@ def export_drafters(servers: list[Server], out: Path, target: str) -> None:
         log.info("drafter %s: %s (%s)", s.name, s.drafter, s.how)
 
 
-def measure(server: Server, url: str, cfg: Any, prompts: list[str], ids: list[list[int]]) -> dict[str, Any]:
-    """eval.serving's sweep against one running server (warm-up, each concurrency, counters around each)."""
-    from eval.serving import bench_server
-    from eval.serving_client import Target
-
-    role = "base" if server.drafter is None else "eagle"
-    result = asyncio.run(bench_server(Target(role, url, "native"), cfg, prompts, ids))
-    if result["warnings"]:  # a base server that drafts, a drafter server that does not, or no counters
-        raise GainError(f"server {server.name} ({url}): {'; '.join(result['warnings'])}")
-    return {**result, "levels": [asdict(lv) for lv in result["levels"]]}
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from core.embedded import resolve_target
     from eval.serving import ServingConfig, ServingError
@@ -196,33 +184,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "cpus": os.cpu_count(), "loadavg_at_start": list(os.getloadavg()),
                 "command": " ".join(["python benchmarks/serving_gain.py", *(args.argv or [])]),
                 "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    extra_env = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else None
-    runs: list[dict[str, Any]] = []
-    report: dict[str, Any] = {}
+    opts = ServerOptions(target=target, dtype=args.dtype, max_model_len=args.max_model_len,
+                         kv_cache_bytes=args.kv_cache_bytes, max_num_seqs=max(max(concurrency), args.warmup, 1),
+                         engine_python=args.engine_python, threads=args.threads, start_timeout=args.start_timeout)
+    specs = [ServerSpec(s.name, s.drafter, args.steps) for s in servers]
     total = args.repeats * len(servers)
-    for r in range(args.repeats):
-        for s in servers:
-            log.info("[%d/%d] repeat %d, server %s: starting", len(runs) + 1, total, r + 1, s.name)
-            st = EngineSettings(target=target, drafter=str(s.drafter) if s.drafter else None,
-                                steps=args.steps if s.drafter else 0, dtype=args.dtype,
-                                max_model_len=args.max_model_len, kv_cache_bytes=args.kv_cache_bytes,
-                                max_num_seqs=max(max(concurrency), args.warmup, 1))
-            t0 = time.perf_counter()
-            try:
-                with VLLMServer(st, python=args.engine_python, timeout_s=args.start_timeout, extra_env=extra_env,
-                                stats=True) as srv:
-                    startup = srv.load_seconds
-                    result = measure(s, srv.url, cfg, prompts, ids)
-            except (EngineError, ServingError) as e:
-                raise GainError(f"repeat {r + 1}, server {s.name}: {e}") from None
-            runs.append({"repeat": r, "server": s.name, "startup_s": startup,
-                         "seconds": time.perf_counter() - t0, "result": result})
-            single = result["levels"][0]
-            log.info("[%d/%d] %s: %.1f tok/s at concurrency %d, tau %s; started in %.0f s", len(runs), total, s.name,
-                     single["aggregate_tok_s"], single["concurrency"],
-                     "n/a" if single["accept_length"] is None else f"{single['accept_length']:.3f}", startup)
-            report = build(settings, servers, runs, complete=len(runs) == total)
-            write_outputs(report, out, plot=False)
+
+    def rewrite(runs: list[dict[str, Any]]) -> None:
+        write_outputs(build(settings, servers, runs, complete=len(runs) == total), out, plot=False)
+
+    try:
+        runs = run_interleaved(specs, opts, cfg, prompts, ids, args.repeats, on_run=rewrite)
+    except SweepError as e:
+        raise GainError(str(e)) from None
+    report = build(settings, servers, runs, complete=True)
     write_outputs(report, out, plot=True)
     return report
 

@@ -1,29 +1,22 @@
 """Numbers and outputs of ``benchmarks/serving_gain.py``: repeats pooled per server and concurrency, ratios to base.
 
-Kept apart from the runner so the arithmetic can be read (and checked) without a server. Pooling over the
-interleaved repeats:
-
-- tokens/s (aggregate and per stream): median over repeats, with min and max;
-- TTFT/TPOT percentiles: median over repeats of each repeat's percentile (eval.serving's definitions);
-- acceptance: the spec-decode counters' differences summed over repeats, then τ = 1 + accepted / drafts and
-  accepted at position k / drafts (vLLM's definitions, as eval.serving reads them); n/a without a drafter;
-- ratio to base: median over repeats of (server / base) in the same repeat (the pairs the interleaving makes);
-- start-up (server start until ``/v1/models`` answers): apart from every rate, median with min and max.
+Kept apart from the runner so the arithmetic can be read (and checked) without a server. The pooling over
+the interleaved repeats is ``eval.serving_repeats``' (shared with ``eval.tune``); start-up (server start until
+``/v1/models`` answers) stays apart from every rate, median with min and max.
 """
 
 from __future__ import annotations
 
 import json
-import statistics
 from pathlib import Path
 from typing import Any
 
 from core.atomic import atomic_write_text
 from core.plotting import atomic_write_png, pyplot
+from eval.serving_repeats import BASE, pool_server
 from eval.serving_report import render_markdown_table as markdown_table
 from eval.serving_report import tokens_axes
 
-BASE = "base"
 DEFINITIONS = {
     "aggregate_tok_s": "sum of completion tokens / wall time of the setting (eval.serving); median over repeats",
     "per_stream_tok_s": "mean over requests of completion tokens / latency (eval.serving); median over repeats",
@@ -39,78 +32,16 @@ DEFINITIONS = {
 }
 
 
-def spread(values: list[float]) -> dict[str, Any]:
-    """median, min, max and the values themselves (None when there are none)."""
-    vals = [float(v) for v in values if v is not None]
-    if not vals:
-        return {"median": None, "min": None, "max": None, "values": []}
-    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "values": vals}
-
-
-def pooled_counts(levels: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The spec-decode counters' differences summed over repeats (None when no repeat has any)."""
-    counts = [lv["spec_counts"] for lv in levels if lv.get("spec_counts")]
-    if not counts:
-        return None
-    k = max(len(c["num_accepted_tokens_per_pos"]) for c in counts)
-    return {
-        "num_drafts": sum(c["num_drafts"] for c in counts),
-        "num_draft_tokens": sum(c["num_draft_tokens"] for c in counts),
-        "num_accepted_tokens": sum(c["num_accepted_tokens"] for c in counts),
-        "num_accepted_tokens_per_pos": [sum(c["num_accepted_tokens_per_pos"][i]
-                                            for c in counts if i < len(c["num_accepted_tokens_per_pos"]))
-                                        for i in range(k)],
-    }
-
-
-def pool_level(levels: list[dict[str, Any]]) -> dict[str, Any]:
-    """One server at one concurrency over its repeats (eval.serving LevelStats dicts, one per repeat)."""
-    counts = pooled_counts(levels)
-    drafts = counts["num_drafts"] if counts else 0
-    pcts = ("p50", "p90", "p99")
-    return {
-        "concurrency": levels[0]["concurrency"],
-        "repeats": len(levels),
-        "requests": sum(lv["requests"] for lv in levels),
-        "errors": sum(lv["errors"] for lv in levels),
-        "output_tokens": sum(lv["output_tokens"] for lv in levels),
-        "aggregate_tok_s": spread([lv["aggregate_tok_s"] for lv in levels if lv["ok"]]),
-        "per_stream_tok_s": spread([lv["per_stream_tok_s"] for lv in levels if lv["ok"]]),
-        "ttft_ms": {p: spread([lv["ttft_ms"].get(p) for lv in levels])["median"] for p in pcts},
-        "tpot_ms": {p: spread([lv["tpot_ms"].get(p) for lv in levels])["median"] for p in pcts},
-        "spec_counts": counts,
-        "accept_length": 1.0 + counts["num_accepted_tokens"] / drafts if drafts else None,
-        "accept_per_pos": [a / drafts for a in counts["num_accepted_tokens_per_pos"]] if drafts else None,
-    }
-
-
-def _paired_ratios(runs: list[dict[str, Any]], name: str, c: int, key: str) -> dict[str, Any]:
-    """server / base per repeat at concurrency c, for a repeat where both measured something."""
-    by_repeat: dict[int, dict[str, float]] = {}
-    for run in runs:
-        for lv in run["result"]["levels"]:
-            if lv["concurrency"] == c and lv["ok"] and lv.get(key):
-                by_repeat.setdefault(run["repeat"], {})[run["server"]] = lv[key]
-    return spread([v[name] / v[BASE] for v in by_repeat.values() if name in v and BASE in v and v[BASE]])
-
-
 def summarize(runs: list[dict[str, Any]], servers: list[str]) -> dict[str, Any]:
     """Per server: start-up, pooled levels with ratios to base, and the seed-style headline."""
     out: dict[str, Any] = {}
     for name in servers:
-        mine = [r for r in runs if r["server"] == name]
-        concs = sorted({lv["concurrency"] for r in mine for lv in r["result"]["levels"]})
-        levels = []
-        for c in concs:
-            pooled = pool_level([lv for r in mine for lv in r["result"]["levels"] if lv["concurrency"] == c])
-            if name != BASE and any(r["server"] == BASE for r in runs):
-                pooled["ratio_to_base"] = {k: _paired_ratios(runs, name, c, k)
-                                           for k in ("aggregate_tok_s", "per_stream_tok_s")}
-            levels.append(pooled)
+        pooled = pool_server(runs, name)
+        levels = pooled["levels"]
         single = next((lv for lv in levels if lv["concurrency"] == 1), None)
         peak = max(levels, key=lambda lv: lv["aggregate_tok_s"]["median"] or 0.0) if levels else None
         out[name] = {
-            "startup_s": spread([r["startup_s"] for r in mine]),
+            "startup_s": pooled["startup_s"],
             "levels": levels,
             "single_stream_tok_s": single["per_stream_tok_s"]["median"] if single else None,
             "peak_tok_s": peak["aggregate_tok_s"]["median"] if peak else None,

@@ -1,0 +1,180 @@
+"""Interleaved repeats on fresh vLLM servers, and their pooling: the one sweep ``benchmarks/serving_gain.py``
+and ``eval.tune`` both run.
+
+Each repeat starts every server in turn (base, then each drafter or setting), measures it with
+``eval.serving``'s sweep (warm-up, each concurrency, the engine's spec-decode counters around each) and stops
+it; repeats interleave (a, b, c, a, b, c, ...) so that load from elsewhere on the machine hits every server
+alike. Start-up is reported apart from every rate.
+
+Pooling over repeats:
+
+- tokens/s (aggregate and per stream): median over repeats, with min and max;
+- TTFT/TPOT percentiles: median over repeats of each repeat's percentile (eval.serving's definitions);
+- acceptance: the spec-decode counters' differences summed over repeats, then τ = 1 + accepted / drafts and
+  accepted at position k / drafts (vLLM's definitions, as eval.serving reads them); n/a without a drafter;
+- ratio to base: median over repeats of (server / base) in the same repeat (the pairs the interleaving makes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from core.engines.vllm import EngineError, EngineSettings, VLLMServer
+from eval.serving_prompts import ServingError
+
+log = logging.getLogger(__name__)
+BASE = "base"
+
+
+class SweepError(RuntimeError):
+    """A server that failed to start or to answer; the message names the repeat and the server."""
+
+
+@dataclass
+class ServerSpec:
+    """One server of a sweep: its name, the drafter in vLLM's layout (None: base) and num_speculative_tokens."""
+
+    name: str
+    drafter: Path | None = None
+    steps: int = 0
+
+
+@dataclass
+class ServerOptions:
+    """How every server of a sweep is started (``vllm serve`` options and the engine's interpreter)."""
+
+    target: str
+    dtype: str = "float32"
+    max_model_len: int = 2048
+    kv_cache_bytes: int = 1 << 30
+    max_num_seqs: int = 16
+    engine_python: str | None = None
+    threads: int | None = None
+    start_timeout: float = 900.0
+
+    def engine_settings(self, spec: ServerSpec) -> EngineSettings:
+        return EngineSettings(target=self.target, drafter=str(spec.drafter) if spec.drafter else None,
+                              steps=spec.steps if spec.drafter else 0, dtype=self.dtype,
+                              max_model_len=self.max_model_len, kv_cache_bytes=self.kv_cache_bytes,
+                              max_num_seqs=self.max_num_seqs)
+
+
+def measure(spec: ServerSpec, url: str, cfg: Any, prompts: Sequence[str], ids: Sequence[list[int]]) -> dict[str, Any]:
+    """eval.serving's sweep against one running server (warm-up, each concurrency, counters around each)."""
+    from eval.serving import bench_server
+    from eval.serving_client import Target
+
+    role = BASE if spec.drafter is None else "eagle"
+    result = asyncio.run(bench_server(Target(role, url, "native"), cfg, prompts, ids))
+    if result["warnings"]:  # a base server that drafts, a drafter server that does not, or no counters
+        raise SweepError(f"server {spec.name} ({url}): {'; '.join(result['warnings'])}")
+    return {**result, "levels": [asdict(lv) for lv in result["levels"]]}
+
+
+def run_interleaved(specs: Sequence[ServerSpec], opts: ServerOptions, cfg: Any, prompts: Sequence[str],
+                    ids: Sequence[list[int]], repeats: int,
+                    on_run: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
+    """Every server once per repeat, in order, each on a fresh ``vllm serve``; ``on_run`` sees the runs so far
+    after each (to rewrite a report). A run: {repeat, server, startup_s, seconds, result}."""
+    extra_env = {"OMP_NUM_THREADS": str(opts.threads)} if opts.threads else None
+    runs: list[dict[str, Any]] = []
+    total = repeats * len(specs)
+    for r in range(repeats):
+        for spec in specs:
+            log.info("[%d/%d] repeat %d, server %s: starting", len(runs) + 1, total, r + 1, spec.name)
+            t0 = time.perf_counter()
+            try:
+                with VLLMServer(opts.engine_settings(spec), python=opts.engine_python, timeout_s=opts.start_timeout,
+                                extra_env=extra_env, stats=True) as srv:
+                    startup = srv.load_seconds
+                    result = measure(spec, srv.url, cfg, prompts, ids)
+            except (EngineError, ServingError) as e:
+                raise SweepError(f"repeat {r + 1}, server {spec.name}: {e}") from None
+            runs.append({"repeat": r, "server": spec.name, "startup_s": startup,
+                         "seconds": time.perf_counter() - t0, "result": result})
+            first = result["levels"][0]
+            log.info("[%d/%d] %s: %.1f tok/s at concurrency %d, tau %s; started in %.0f s", len(runs), total,
+                     spec.name, first["aggregate_tok_s"], first["concurrency"],
+                     "n/a" if first["accept_length"] is None else f"{first['accept_length']:.3f}", startup)
+            if on_run is not None:
+                on_run(runs)
+    return runs
+
+
+# ----------------------------------------------------------------------------- pooling
+
+
+def spread(values: Sequence[float | None]) -> dict[str, Any]:
+    """median, min, max and the values themselves (None when there are none)."""
+    vals = [float(v) for v in values if v is not None]
+    if not vals:
+        return {"median": None, "min": None, "max": None, "values": []}
+    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "values": vals}
+
+
+def pooled_counts(levels: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The spec-decode counters' differences summed over repeats (None when no repeat has any)."""
+    counts = [lv["spec_counts"] for lv in levels if lv.get("spec_counts")]
+    if not counts:
+        return None
+    k = max(len(c["num_accepted_tokens_per_pos"]) for c in counts)
+    return {
+        "num_drafts": sum(c["num_drafts"] for c in counts),
+        "num_draft_tokens": sum(c["num_draft_tokens"] for c in counts),
+        "num_accepted_tokens": sum(c["num_accepted_tokens"] for c in counts),
+        "num_accepted_tokens_per_pos": [sum(c["num_accepted_tokens_per_pos"][i]
+                                            for c in counts if i < len(c["num_accepted_tokens_per_pos"]))
+                                        for i in range(k)],
+    }
+
+
+def pool_level(levels: list[dict[str, Any]]) -> dict[str, Any]:
+    """One server at one concurrency over its repeats (eval.serving LevelStats dicts, one per repeat)."""
+    counts = pooled_counts(levels)
+    drafts = counts["num_drafts"] if counts else 0
+    pcts = ("p50", "p90", "p99")
+    return {
+        "concurrency": levels[0]["concurrency"],
+        "repeats": len(levels),
+        "requests": sum(lv["requests"] for lv in levels),
+        "errors": sum(lv["errors"] for lv in levels),
+        "output_tokens": sum(lv["output_tokens"] for lv in levels),
+        "aggregate_tok_s": spread([lv["aggregate_tok_s"] for lv in levels if lv["ok"]]),
+        "per_stream_tok_s": spread([lv["per_stream_tok_s"] for lv in levels if lv["ok"]]),
+        "ttft_ms": {p: spread([lv["ttft_ms"].get(p) for lv in levels])["median"] for p in pcts},
+        "tpot_ms": {p: spread([lv["tpot_ms"].get(p) for lv in levels])["median"] for p in pcts},
+        "spec_counts": counts,
+        "accept_length": 1.0 + counts["num_accepted_tokens"] / drafts if drafts else None,
+        "accept_per_pos": [a / drafts for a in counts["num_accepted_tokens_per_pos"]] if drafts else None,
+    }
+
+
+def paired_ratios(runs: list[dict[str, Any]], name: str, c: int, key: str) -> dict[str, Any]:
+    """server / base per repeat at concurrency c, for a repeat where both measured something."""
+    by_repeat: dict[int, dict[str, float]] = {}
+    for run in runs:
+        for lv in run["result"]["levels"]:
+            if lv["concurrency"] == c and lv["ok"] and lv.get(key):
+                by_repeat.setdefault(run["repeat"], {})[run["server"]] = lv[key]
+    return spread([v[name] / v[BASE] for v in by_repeat.values() if name in v and BASE in v and v[BASE]])
+
+
+def pool_server(runs: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    """One server's start-up and its pooled levels, each with ratios to base when base ran too."""
+    mine = [r for r in runs if r["server"] == name]
+    concs = sorted({lv["concurrency"] for r in mine for lv in r["result"]["levels"]})
+    levels = []
+    for c in concs:
+        pooled = pool_level([lv for r in mine for lv in r["result"]["levels"] if lv["concurrency"] == c])
+        if name != BASE and any(r["server"] == BASE for r in runs):
+            pooled["ratio_to_base"] = {k: paired_ratios(runs, name, c, k)
+                                       for k in ("aggregate_tok_s", "per_stream_tok_s")}
+        levels.append(pooled)
+    return {"startup_s": spread([r["startup_s"] for r in mine]), "levels": levels}
