@@ -252,7 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=_ints, default=(1, 4, 16), help="concurrent streams to measure")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats of the sweep (a fresh server each)")
     p.add_argument("--num-prompts", type=int, default=32, help="samples of the traffic used")
-    p.add_argument("--max-tokens", type=int, default=128, help="new tokens per answer (the traffic's budget)")
+    p.add_argument("--max-tokens", type=int, default=128, help="new tokens per answer when --prompts are answered (--data keeps the budget its "
+                                         "answers were written with, so that offline and engine walk the same tokens)")
     p.add_argument("--probe-steps", type=_ints, default=None,
                    help="settings probed for the cost model (default: the smallest and largest of --steps)")
     p.add_argument("--probe-prompts", type=int, default=8, help="prompts of each probe (one round per concurrency)")
