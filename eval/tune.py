@@ -122,11 +122,13 @@ def traffic_stage(cfg: TuneConfig, out: Path, target: str) -> tuple[Any, list[in
 
 
 def serving_config(cfg: TuneConfig, target: str, max_tokens: int, *, probe: bool) -> Any:
+    """eval.serving's settings for the sweep, or for a probe (fewer prompts, one round). A probe warms up as
+    much as the sweep does, so that the cost model's step costs are measured as the sweep's rates are."""
     from eval.serving import ServingConfig
 
     return ServingConfig(concurrency=list(cfg.concurrency), max_tokens=max_tokens,
                          num_prompts=cfg.probe_prompts if probe else cfg.num_prompts,
-                         min_rounds=1 if probe else cfg.min_rounds, warmup=min(cfg.warmup, 1) if probe else cfg.warmup,
+                         min_rounds=1 if probe else cfg.min_rounds, warmup=cfg.warmup,
                          timeout=cfg.timeout, engine="vllm", api="native", tokenizer=target)
 
 
