@@ -62,8 +62,12 @@ def captured(request):
     try:
         theirs = engine.capture(seqs, TEACHER)
         again = engine.capture(seqs[:2], TEACHER)  # a second batch through the same engine
-        # as extraction runs it: the engine prefills the next batch while this process computes the current one
-        streamed = [c for b in engine.capture_batches([seqs[:5], [], seqs[5:9], seqs[9:]], TEACHER) for c in b]
+        # as extraction runs it: the engine prefills the next batch while this process computes the current one;
+        # against the same batches captured one call at a time: another batch composition moves kimi-k25-mini's
+        # fp32 states by up to 2.4e-6 (seen on an AVX-512/AMX Xeon; its MoE groups tokens per expert by batch)
+        batches = [seqs[:5], [], seqs[5:9], seqs[9:]]
+        one_by_one = [c for b in batches for c in engine.capture(b, TEACHER)]
+        streamed = [c for b in engine.capture_batches(batches, TEACHER) for c in b]
         abandoned = engine.capture_batches([seqs[:2], seqs[2:4], seqs[4:6]], TEACHER)
         next(abandoned)  # the second batch is in flight now
         abandoned.close()
@@ -72,7 +76,7 @@ def captured(request):
         engine.close()
     assert not any(engine.capture_dir.glob("*")) if engine.capture_dir.exists() else True
     return {"name": request.param, "hf": hf, "seqs": seqs, "ours": ours, "theirs": theirs, "again": again,
-            "streamed": streamed, "left_behind": left_behind}
+            "one_by_one": one_by_one, "streamed": streamed, "left_behind": left_behind}
 
 
 def test_vllm_features_equal_hf_features(captured):
@@ -100,10 +104,15 @@ def test_overlapped_batches_give_the_same_features_and_leave_no_files(captured):
     """capture_batches (the next batch in the engine while this one's teacher runs) = capture, batch by batch;
     a stream abandoned with a batch in flight waits for it and removes its files."""
     assert len(captured["streamed"]) == len(captured["seqs"])
-    for a, b in zip(captured["theirs"], captured["streamed"], strict=True):
+    for a, b in zip(captured["one_by_one"], captured["streamed"], strict=True):
         assert torch.allclose(a.aux_hidden, b.aux_hidden, rtol=0, atol=1e-6)
         assert torch.allclose(a.last_hidden, b.last_hidden, rtol=0, atol=1e-6)
         assert torch.equal(a.topk_ids[:, 0], b.topk_ids[:, 0])
+    pairs = list(zip(captured["theirs"], captured["streamed"], strict=True))
+    gap = max((a.aux_hidden - b.aux_hidden).abs().max().item() for a, b in pairs)
+    print(captured["name"], "other batch composition, largest aux gap:", gap)
+    for a, b in pairs:  # and other batches: within rounding
+        assert torch.allclose(a.aux_hidden, b.aux_hidden, rtol=0, atol=1e-5)
     assert captured["left_behind"] == []
 
 

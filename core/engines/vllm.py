@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from core.engines.request import TokenRequest
+from core.engines.vllm_driver import cpu_attention_backend
 
 log = logging.getLogger(__name__)
 
@@ -274,9 +275,11 @@ class VLLMEngine:
 
     def _failure(self, what: str) -> EngineError:
         tail = _tail(self._log_path) if self._log_path is not None else ""
+        first = _first_traceback(self._log_path) if self._log_path is not None else ""
         if self._proc is not None:
             _kill_group(self._proc)
-        return EngineError(f"{self.what}: {what}; its log ends with:\n{tail}")
+        cause = f"; the first error in its log:\n{first}" if first and first not in tail else ""
+        return EngineError(f"{self.what}: {what}{cause}; its log ends with:\n{tail}")
 
 
 def _die_with_parent() -> None:
@@ -300,6 +303,14 @@ def _kill_group(proc: subprocess.Popen) -> None:
 def _tail(path: Path, lines: int = 40) -> str:
     text = path.read_text(errors="replace").splitlines() if path.is_file() else []
     return "\n".join("  " + s for s in text[-lines:])
+
+
+def _first_traceback(path: Path, lines: int = 60) -> str:
+    """The first traceback in an engine log. vLLM's engine core reports a worker that failed to start as
+    "see root cause above": the cause is the worker's traceback, printed long before the log's tail."""
+    text = path.read_text(errors="replace").splitlines() if path.is_file() else []
+    start = next((i for i, s in enumerate(text) if "Traceback (most recent call last)" in s), None)
+    return "" if start is None else "\n".join("  " + s for s in text[start:start + lines])
 
 
 
@@ -344,12 +355,16 @@ class VLLMServer:
         if s.drafter:
             cmd += ["--speculative-config", json.dumps({"method": "eagle3", "model": s.drafter,
                                                         "num_speculative_tokens": s.steps})]
+        env = engine_env(self.python, extra=extra_env)
+        backend = cpu_attention_backend(s.dtype, [s.target, s.drafter], env.get("VLLM_TARGET_DEVICE") == "cpu")
+        if backend:
+            cmd += ["--attention-backend", backend]
         log.info("vLLM server: %s on %s (log %s)", self.python, self.url, self.log_path)
         t0 = time.perf_counter()
         with open(self.log_path, "w") as logf:
             self._proc: subprocess.Popen | None = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
-                env=engine_env(self.python, extra=extra_env), start_new_session=True, preexec_fn=_die_with_parent)
+                env=env, start_new_session=True, preexec_fn=_die_with_parent)
         try:
             self._wait_ready(t0, timeout_s)
         except BaseException:

@@ -135,6 +135,31 @@ def _row(req: dict[str, Any], out: Any, seconds: float) -> dict[str, Any]:
     return {"id": req["id"], "output_token_ids": ids, "finish_reason": o.finish_reason, "seconds": seconds}
 
 
+FLOAT32 = ("float32", "fp32", "float")
+
+
+def uses_mla(folder: str | None) -> bool:
+    """Whether a model folder (target or EAGLE-3 drafter) declares DeepSeek's latent attention."""
+    config = os.path.join(folder, "config.json") if folder else ""
+    if not config or not os.path.isfile(config):
+        return False
+    with open(config) as f:
+        return json.load(f).get("kv_lora_rank") is not None
+
+
+def cpu_attention_backend(dtype: str, models: list[str | None], on_cpu: bool) -> str | None:
+    """The attention backend to ask vLLM for, or None for its own choice.
+
+    vLLM 0.32's CPU platform serves MLA with its AMX kernels whenever the CPU has AMX tiles (Intel Sapphire
+    Rapids and later), and those pack only bf16/fp16/int8/fp8 weights: a float32 MLA target or drafter then
+    fails to load ("expect weight to be bfloat16, float16, int8, ..."). Its reference kernels (CPU_MLA) run
+    float32 on any x86 CPU; without AMX vLLM picks them itself, so asking changes nothing there.
+    """
+    if on_cpu and dtype in FLOAT32 and any(uses_mla(m) for m in models):
+        return "CPU_MLA"
+    return None
+
+
 class Driver:
     """One loaded vLLM engine: batched or sequential generation from prompt ids."""
 
@@ -163,6 +188,9 @@ class Driver:
         if self.drafter:
             kwargs["speculative_config"] = {"method": "eagle3", "model": self.drafter,
                                             "num_speculative_tokens": self.steps}
+        backend = cpu_attention_backend(kwargs["dtype"], [settings["target"], self.drafter], current_platform.is_cpu())
+        if backend:
+            kwargs["attention_backend"] = backend
         self.capture_dir: str | None = None
         if settings.get("capture_layer_ids"):
             if self.drafter:
