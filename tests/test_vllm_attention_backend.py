@@ -22,8 +22,8 @@ def test_a_float32_mla_target_or_drafter_on_cpu_gets_the_reference_kernels(tmp_p
     mla = _model(tmp_path, "kimi", architectures=["DeepseekV3ForCausalLM"], kv_lora_rank=512)
     llama = _model(tmp_path, "llama", architectures=["LlamaForCausalLM"], kv_lora_rank=None)
     assert uses_mla(mla) and not uses_mla(llama) and not uses_mla(None) and not uses_mla(str(tmp_path / "none"))
-    assert cpu_attention_backend("float32", [mla, None], on_cpu=True) == "CPU_MLA"
-    assert cpu_attention_backend("float32", [llama, mla], on_cpu=True) == "CPU_MLA"  # an MLA drafter
-    assert cpu_attention_backend("float32", [llama, llama], on_cpu=True) is None
-    assert cpu_attention_backend("bfloat16", [mla, None], on_cpu=True) is None  # AMX takes bf16
-    assert cpu_attention_backend("float32", [mla, None], on_cpu=False) is None  # a GPU: vLLM's own choice
+    assert cpu_attention_backend("float32", mla, on_cpu=True) == "CPU_MLA"  # a target or a drafter
+    assert cpu_attention_backend("float32", llama, on_cpu=True) is None
+    assert cpu_attention_backend("float32", None, on_cpu=True) is None
+    assert cpu_attention_backend("bfloat16", mla, on_cpu=True) is None  # AMX takes bf16
+    assert cpu_attention_backend("float32", mla, on_cpu=False) is None  # a GPU: vLLM's own choice

@@ -352,13 +352,15 @@ class VLLMServer:
             cmd += ["--max-num-seqs", str(s.max_num_seqs)]
         if s.gpu_memory_utilization:
             cmd += ["--gpu-memory-utilization", str(s.gpu_memory_utilization)]
-        if s.drafter:
-            cmd += ["--speculative-config", json.dumps({"method": "eagle3", "model": s.drafter,
-                                                        "num_speculative_tokens": s.steps})]
         env = engine_env(self.python, extra=extra_env)
-        backend = cpu_attention_backend(s.dtype, [s.target, s.drafter], env.get("VLLM_TARGET_DEVICE") == "cpu")
-        if backend:
+        on_cpu = env.get("VLLM_TARGET_DEVICE") == "cpu"
+        if backend := cpu_attention_backend(s.dtype, s.target, on_cpu):
             cmd += ["--attention-backend", backend]
+        if s.drafter:
+            spec: dict[str, Any] = {"method": "eagle3", "model": s.drafter, "num_speculative_tokens": s.steps}
+            if backend := cpu_attention_backend(s.dtype, s.drafter, on_cpu):
+                spec["attention_backend"] = backend
+            cmd += ["--speculative-config", json.dumps(spec)]
         log.info("vLLM server: %s on %s (log %s)", self.python, self.url, self.log_path)
         t0 = time.perf_counter()
         with open(self.log_path, "w") as logf:

@@ -147,17 +147,16 @@ def uses_mla(folder: str | None) -> bool:
         return json.load(f).get("kv_lora_rank") is not None
 
 
-def cpu_attention_backend(dtype: str, models: list[str | None], on_cpu: bool) -> str | None:
-    """The attention backend to ask vLLM for, or None for its own choice.
+def cpu_attention_backend(dtype: str, model: str | None, on_cpu: bool) -> str | None:
+    """The attention backend to ask vLLM for on behalf of one model (target or drafter), or None for its choice.
 
     vLLM 0.32's CPU platform serves MLA with its AMX kernels whenever the CPU has AMX tiles (Intel Sapphire
     Rapids and later), and those pack only bf16/fp16/int8/fp8 weights: a float32 MLA target or drafter then
     fails to load ("expect weight to be bfloat16, float16, int8, ..."). Its reference kernels (CPU_MLA) run
-    float32 on any x86 CPU; without AMX vLLM picks them itself, so asking changes nothing there.
+    float32 on any x86 CPU; without AMX vLLM picks them itself, so asking changes nothing there. vLLM selects
+    the drafter's backend apart from the target's (``speculative_config.attention_backend``), hence per model.
     """
-    if on_cpu and dtype in FLOAT32 and any(uses_mla(m) for m in models):
-        return "CPU_MLA"
-    return None
+    return "CPU_MLA" if on_cpu and dtype in FLOAT32 and uses_mla(model) else None
 
 
 class Driver:
@@ -185,12 +184,14 @@ class Driver:
             # budget died. Whole-prompt prefill avoids the rewind; the budget must then hold a prompt.
             kwargs["enable_chunked_prefill"] = False
             kwargs["max_num_batched_tokens"] = max(4096, int(settings["max_model_len"]))
+        on_cpu = current_platform.is_cpu()
+        if backend := cpu_attention_backend(kwargs["dtype"], settings["target"], on_cpu):
+            kwargs["attention_backend"] = backend
         if self.drafter:
             kwargs["speculative_config"] = {"method": "eagle3", "model": self.drafter,
                                             "num_speculative_tokens": self.steps}
-        backend = cpu_attention_backend(kwargs["dtype"], [settings["target"], self.drafter], current_platform.is_cpu())
-        if backend:
-            kwargs["attention_backend"] = backend
+            if backend := cpu_attention_backend(kwargs["dtype"], self.drafter, on_cpu):
+                kwargs["speculative_config"]["attention_backend"] = backend
         self.capture_dir: str | None = None
         if settings.get("capture_layer_ids"):
             if self.drafter:
