@@ -21,7 +21,10 @@ def _model(tmp_path, name, **config):
 def test_a_float32_mla_target_or_drafter_on_cpu_gets_the_reference_kernels(tmp_path):
     mla = _model(tmp_path, "kimi", architectures=["DeepseekV3ForCausalLM"], kv_lora_rank=512)
     llama = _model(tmp_path, "llama", architectures=["LlamaForCausalLM"], kv_lora_rank=None)
-    assert uses_mla(mla) and not uses_mla(llama) and not uses_mla(None) and not uses_mla(str(tmp_path / "none"))
+    wrapped = _model(tmp_path, "kimi-k25", architectures=["KimiK25ForConditionalGeneration"],
+                     text_config={"kv_lora_rank": 512})  # Kimi-K2.5's own config nests the decoder's
+    assert uses_mla(mla) and uses_mla(wrapped)
+    assert not uses_mla(llama) and not uses_mla(None) and not uses_mla(str(tmp_path / "none"))
     assert cpu_attention_backend("float32", mla, on_cpu=True) == "CPU_MLA"  # a target or a drafter
     assert cpu_attention_backend("float32", llama, on_cpu=True) is None
     assert cpu_attention_backend("float32", None, on_cpu=True) is None

@@ -274,12 +274,10 @@ class VLLMEngine:
                 return msg
 
     def _failure(self, what: str) -> EngineError:
-        tail = _tail(self._log_path) if self._log_path is not None else ""
-        first = _first_traceback(self._log_path) if self._log_path is not None else ""
+        excerpt = _log_excerpt(self._log_path) if self._log_path is not None else "its log ends with:\n"
         if self._proc is not None:
             _kill_group(self._proc)
-        cause = f"; the first error in its log:\n{first}" if first and first not in tail else ""
-        return EngineError(f"{self.what}: {what}{cause}; its log ends with:\n{tail}")
+        return EngineError(f"{self.what}: {what}; {excerpt}")
 
 
 def _die_with_parent() -> None:
@@ -300,18 +298,17 @@ def _kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
-def _tail(path: Path, lines: int = 40) -> str:
-    text = path.read_text(errors="replace").splitlines() if path.is_file() else []
-    return "\n".join("  " + s for s in text[-lines:])
-
-
-def _first_traceback(path: Path, lines: int = 60) -> str:
-    """The first traceback in an engine log. vLLM's engine core reports a worker that failed to start as
-    "see root cause above": the cause is the worker's traceback, printed long before the log's tail."""
+def _log_excerpt(path: Path, tail: int = 40, traceback: int = 60) -> str:
+    """An engine log's first traceback (when its tail does not hold it) and its tail, for an error message.
+    vLLM's engine core reports a worker that failed to start as "see root cause above": the cause is the
+    worker's traceback, printed long before the log's tail."""
     text = path.read_text(errors="replace").splitlines() if path.is_file() else []
     start = next((i for i, s in enumerate(text) if "Traceback (most recent call last)" in s), None)
-    return "" if start is None else "\n".join("  " + s for s in text[start:start + lines])
-
+    quote = "\n".join("  " + s for s in text[-tail:])
+    if start is None or start >= len(text) - tail:
+        return f"its log ends with:\n{quote}"
+    first = "\n".join("  " + s for s in text[start:min(start + traceback, len(text) - tail)])  # not the tail again
+    return f"the first error in its log:\n{first}\nand its log ends with:\n{quote}"
 
 
 def free_port() -> int:
@@ -382,11 +379,10 @@ class VLLMServer:
         while True:
             assert self._proc is not None
             if self._proc.poll() is not None:
-                raise EngineError(f"vLLM server: exited with {self._proc.returncode} before it was ready; its log "
-                                  f"ends with:\n{_tail(self.log_path)}")
+                raise EngineError(f"vLLM server: exited with {self._proc.returncode} before it was ready; "
+                                  f"{_log_excerpt(self.log_path)}")
             if time.perf_counter() - t0 > timeout_s:
-                raise EngineError(f"vLLM server: not ready after {timeout_s:g} s; its log ends with:\n"
-                                  f"{_tail(self.log_path)}")
+                raise EngineError(f"vLLM server: not ready after {timeout_s:g} s; {_log_excerpt(self.log_path)}")
             try:
                 with urllib.request.urlopen(self.url + "/v1/models", timeout=5) as resp:
                     if resp.status == 200:

@@ -139,12 +139,16 @@ FLOAT32 = ("float32", "fp32", "float")
 
 
 def uses_mla(folder: str | None) -> bool:
-    """Whether a model folder (target or EAGLE-3 drafter) declares DeepSeek's latent attention."""
+    """Whether a model folder (target or EAGLE-3 drafter) declares DeepSeek's latent attention, in its decoder's
+    config: multimodal wrappers (Kimi-K2.5) nest it as text_config, as ``core.target_weights.text_config`` reads
+    it (not imported: this file stays standard library and vLLM)."""
     config = os.path.join(folder, "config.json") if folder else ""
     if not config or not os.path.isfile(config):
         return False
     with open(config) as f:
-        return json.load(f).get("kv_lora_rank") is not None
+        raw = json.load(f)
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+    return text.get("kv_lora_rank") is not None
 
 
 def cpu_attention_backend(dtype: str, model: str | None, on_cpu: bool) -> str | None:
