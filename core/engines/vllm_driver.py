@@ -1,10 +1,11 @@
-"""vLLM behind a line protocol: ``python core/engines/vllm_driver.py`` (started by :mod:`core.engines.vllm`).
+"""vLLM behind a line protocol: ``python -m core.engines.vllm_driver`` (started by :mod:`core.engines.vllm`).
 
 Runs under the engine's interpreter (the vLLM CPU venv, never the project's ``.venv``: vLLM pins its
-own torch and transformers), so it imports the standard library, vLLM and tqdm (a vLLM dependency)
-only. :class:`Driver` is also used in-process when the running python has ``vllm``.
+own torch and transformers), so it imports the standard library, vLLM, tqdm (a vLLM dependency) and
+:mod:`core.engines.driver_protocol` (the protocol's two sides, standard library) only. :class:`Driver` is
+also used in-process when the running python has ``vllm``.
 
-Protocol: one JSON object per line. The first line on stdin is the engine settings (``target``,
+Protocol (:mod:`core.engines.driver_protocol`): one JSON object per line. The first line on stdin is the engine settings (``target``,
 ``drafter`` or null, ``steps``, ``dtype``, ``max_model_len``, ``kv_cache_bytes``, ``max_num_seqs``,
 ``gpu_memory_utilization``, ``seed``); the driver answers ``{"event": "ready", "vllm_version", "load_seconds"}``. Then each
 ``{"op": "generate", "requests": [...], "sequential": bool, "counters": bool}`` (or, for an engine started with
@@ -25,12 +26,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from typing import Any
+
+from core.engines.driver_protocol import driver_main
 
 COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
 PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
@@ -214,6 +215,9 @@ class Driver:
 
         self.version = vllm.__version__
 
+    def ready_fields(self) -> dict[str, Any]:
+        return {"vllm_version": self.version, "load_seconds": self.load_seconds}
+
     def close(self) -> None:
         """Shut the engine's processes down now (in-process use: before another engine loads)."""
         llm, self.llm = getattr(self, "llm", None), None
@@ -318,67 +322,10 @@ def _progress_bar(progress: Callable[[int, int], None] | None, total: int) -> An
     return _Bar
 
 
-def serve(inp: Any, proto: Any) -> int:
-    """The subprocess loop: settings, then generate commands until exit or end of input."""
-
-    def send(obj: dict[str, Any]) -> None:
-        proto.write(json.dumps(obj) + "\n")
-        proto.flush()
-
-    line = inp.readline()
-    if not line:
-        return 2
-    try:
-        driver = Driver(json.loads(line))
-    except Exception:
-        send({"event": "error", "error": traceback.format_exc()})
-        return 1
-    send({"event": "ready", "vllm_version": driver.version, "load_seconds": driver.load_seconds})
-    for line in inp:
-        if not line.strip():
-            continue
-        cmd = json.loads(line)
-        if cmd.get("op") == "exit":
-            break
-        try:
-            rows = driver.run(cmd, progress=lambda done, of: send({"event": "progress", "done": done, "of": of}))
-        except Exception:
-            send({"event": "error", "error": traceback.format_exc()})
-            return 1
-        send({"event": "result", "results": rows})
-    return 0
-
-
-def _take_engine_down_with_us() -> None:
-    """On SIGTERM (sent by the runner, or by the kernel when the runner dies), kill this process group.
-
-    vLLM runs its EngineCore and workers as child processes that outlive the driver when it dies alone;
-    the runner starts the driver as its own group's leader, so the group is the driver and the engine.
-    Run by hand in someone else's group, the default SIGTERM stays (it must not kill the caller).
-    """
-    if os.getpgrp() != os.getpid():
-        return
-
-    def _kill_group(signum: int, frame: Any) -> None:
-        os.killpg(os.getpid(), signal.SIGKILL)
-
-    signal.signal(signal.SIGTERM, _kill_group)
-
-
 def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print("usage: python core/engines/vllm_driver.py  (settings and commands as JSON lines on stdin; "
-              "started by core.engines.vllm)", file=sys.stderr)
-        return 2
-    _take_engine_down_with_us()
-    proto = os.fdopen(os.dup(1), "w")  # the protocol's own copy of stdout ...
-    os.dup2(2, 1)  # ... and everything else that writes to fd 1 (vLLM, its workers) goes to the log
-    sys.stdout = sys.stderr
-    return serve(sys.stdin, proto)
+    return driver_main(argv, Driver, "usage: python -m core.engines.vllm_driver  (settings and commands as JSON "
+                       "lines on stdin; started by core.engines.vllm)")
 
 
 if __name__ == "__main__":
-    # Run as a script, this folder is sys.path[0], and its vllm.py (the runner) would shadow the engine.
-    here = os.path.dirname(os.path.abspath(__file__))
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
     sys.exit(main(sys.argv))
