@@ -24,14 +24,14 @@ $(VENV)/.installed: pyproject.toml requirements/cpu.txt
 venv: $(VENV)/.installed
 
 test: venv
-	$(PY) -m pytest -q -m "not campaign" tests
+	$(PY) -m pytest -q -m "not campaign and not sglang_cpu" tests
 
 # The campaigns lane: SIGKILL-and-resume campaigns, streaming, multi-process training (real processes).
 campaigns: venv
 	$(PY) -m pytest -q -m campaign tests
 
 test-fast: venv
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q -m "not slow and not sglang_cpu" tests
 
 lint: venv
 	$(PY) -m ruff check .
@@ -58,3 +58,16 @@ vllm-cpu-venv:
 
 engine-truth: venv
 	VLLM_CPU_VENV="$(VLLM_CPU_VENV)" PYTHON="$(abspath $(PY))" bash scripts/engine_truth.sh
+
+# The SGLang CPU venv for --backend sglang (SGLang 0.5.23 on torch 2.13.0+cpu, pinned in requirements/sglang-cpu.txt,
+# ~3.5 GB, ~2 min) is built once under SGLANG_CPU_VENV and reused.
+SGLANG_CPU_VENV ?= $(HOME)/.cache/redraft/sglang-cpu
+.PHONY: sglang-cpu-venv
+sglang-cpu-venv:
+	bash scripts/make_sglang_cpu_venv.sh "$(SGLANG_CPU_VENV)"
+
+# The SGLang lane (issue 33): SGLang 0.5.23's own engine on the CPU, redraft's stand-in for its kernels: the
+# stand-in ops against SGLang's Triton kernels, capture = HF capture on three targets, the layer-id rule.
+.PHONY: sglang-lane
+sglang-lane: venv sglang-cpu-venv
+	SGLANG_CPU_VENV="$(SGLANG_CPU_VENV)" REDRAFT_REQUIRE_SGLANG_CPU=1 $(PY) -m pytest -q -m sglang_cpu tests

@@ -30,7 +30,7 @@ from typing import Any
 
 import aiohttp
 
-from core.engines.request import TokenRequest
+from core.engines.request import TokenRequest, sglang_sampling_params
 
 log = logging.getLogger(__name__)
 
@@ -240,17 +240,7 @@ def _backoff(first: float, attempt: int) -> float:
 
 def sglang_request(req: TokenRequest) -> dict[str, Any]:
     """SGLang ``/generate`` body: every sampling knob explicit, the stop id kept in ``output_ids``."""
-    params: dict[str, Any] = {
-        "max_new_tokens": int(req.max_tokens), "temperature": float(req.temperature),
-        "top_p": float(req.top_p) if req.temperature > 0 else 1.0, "top_k": -1, "min_p": 0.0,
-        "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "min_new_tokens": 0,
-        "no_stop_trim": True,
-    }
-    if req.stop_token_ids:
-        params["stop_token_ids"] = [int(t) for t in req.stop_token_ids]
-    if req.temperature > 0 and req.seed is not None:
-        params["sampling_seed"] = int(req.seed)
-    return {"input_ids": [int(t) for t in req.prompt_token_ids], "sampling_params": params,
+    return {"input_ids": [int(t) for t in req.prompt_token_ids], "sampling_params": sglang_sampling_params(req),
             "return_prompt_token_ids": True, "stream": False}
 
 
