@@ -6,6 +6,21 @@ Serving engines disagree on how they read configured ids, so every conversion to
 engine's ``eagle_aux_hidden_state_layer_ids`` goes through :func:`to_engine_layer_ids` /
 :func:`from_engine_layer_ids` and nowhere else.
 
+What each engine does with configured ids (SGLang 0.5.23 proven by capturing every layer it returns and
+matching each against the HF backend's per-layer outputs: ``tests/test_sglang_capture.py``; vLLM 0.32 by
+``tests/test_vllm_capture.py``):
+
+- vLLM: id ``e`` is the input of layer ``e`` (``e = L`` the last layer's output, before the final norm).
+- SGLang ``llama.py`` (and the other Llama-style models): captures the input of layer ``e + 1``; ids must be
+  ``< L`` (its range check) and the input of layer ``L`` does not exist, so the last layer's output is never
+  captured (it silently comes back one layer short).
+- SGLang ``deepseek_v2.py`` (DeepSeek-V2/V3, Kimi-K2/K2.5): captures the input of layer ``e + 1`` when the
+  *first* configured id is 1, else the input of layer ``e``; ids must be ``< L``. redraft writes
+  input-of-layer ids (``i + 1``) and never puts 1 first, so the engine captures exactly the layers asked for,
+  layer 0's output included; the last layer's output is out of reach here too.
+
+So for SGLang an aux layer is one of ``0 .. L-2``; for vLLM one of ``0 .. L-1``.
+
 One HF quirk: for the last layer (i = L-1) HF's ``hidden_states[L]`` is already post-final-norm, while
 redraft (like vLLM's end_layer capture) keeps the pre-norm output of layer L-1.
 """
@@ -25,21 +40,25 @@ ENGINES = ("sglang", "vllm")
 # Architectures served by SGLang's deepseek_v2.py, which adds 1 to configured ids only when ids[0] == 1.
 _DEEPSEEK_FAMILY = re.compile(r"^(DeepseekV2|DeepseekV3|KimiK2|KimiK25)", re.IGNORECASE)
 
+MIN_LAYERS = 4  # three distinct aux layers that every engine can capture: 0 .. L-2 (SGLang never returns L-1)
+
+
 def default_aux_layer_ids(num_layers: int, architecture: str | None = None) -> list[int]:
     """Low/middle/high layers: ``[1, L//2 - 1, L - 4]`` (SpecForge's default, same tensors as the engines').
 
-    Tiny test models (3 <= L < 8) get three distinct ascending ids that avoid the last layer when possible (and
-    layer 0 from 5 layers on: SGLang's DeepSeek family cannot be told to capture it, see :func:`check_servable`).
+    Small test models (4 <= L < 8) get three distinct ascending ids below the last layer (which SGLang cannot
+    capture), avoiding layer 0 from 5 layers on. ``architecture`` is accepted for symmetry and changes nothing:
+    the same ids are capturable in every engine for every family.
     """
+    del architecture
     n = int(num_layers)
-    if n < 3:
-        raise ValueError(f"need at least 3 decoder layers to pick 3 aux layers, got num_layers={n}")
+    if n < MIN_LAYERS:
+        raise ValueError(f"need at least {MIN_LAYERS} decoder layers to pick 3 aux layers every engine can capture "
+                         f"(SGLang never returns the last layer's output), got num_layers={n}")
     if n >= 8:
         return [1, n // 2 - 1, n - 4]
     low = 1 if n >= 5 else 0
-    high = n - 2 if n >= 4 else n - 1
-    if n == 4 and serving_family(architecture or "") == "deepseek":
-        return [1, 2, 3]  # layer 0 cannot be asked of SGLang's deepseek_v2.py; the last layer can
+    high = n - 2
     return [low, (low + high) // 2, high]
 
 
@@ -60,12 +79,13 @@ def validate_aux_layer_ids(ids: Sequence[int], num_layers: int) -> list[int]:
     return sorted(out)
 
 
-def check_servable(ids: Sequence[int], architecture: str) -> None:
+def check_servable(ids: Sequence[int], architecture: str, num_layers: int | None = None) -> None:
     """Refuse ids that some engine cannot be configured to capture for ``architecture`` (checked before any work,
-    so an extraction or a training run does not end in an export that cannot be written)."""
+    so an extraction or a training run does not end in an export that cannot be served). ``num_layers``: the
+    target's depth, needed to refuse its last layer (SGLang never captures it)."""
     for engine in ENGINES:
         try:
-            to_engine_layer_ids(ids, engine, architecture)
+            to_engine_layer_ids(ids, engine, architecture, num_layers)
         except ValueError as e:
             raise ValueError(f"aux layer ids {sorted(ids)}: {e}") from None
 
@@ -80,11 +100,14 @@ def _check_engine(engine: str) -> None:
         raise ValueError(f"unknown serving engine {engine!r}; expected one of {ENGINES}")
 
 
-def to_engine_layer_ids(ids: Sequence[int], engine: str, architecture: str) -> list[int]:
+def to_engine_layer_ids(ids: Sequence[int], engine: str, architecture: str,
+                        num_layers: int | None = None) -> list[int]:
     """The ``eagle_config.eagle_aux_hidden_state_layer_ids`` that make ``engine`` capture exactly ``ids``.
 
-    SGLang llama.py adds 1 itself, so our ids go as they are. SGLang deepseek_v2.py adds 1 only when
-    ids[0] == 1, so we write input-of-layer ids (``i + 1``), which is also what vLLM reads.
+    vLLM and SGLang's deepseek_v2.py read input-of-layer ids (``i + 1``); for the latter the list never starts
+    with 1 (which would shift every id again), so when our layer 0 is asked for, its engine id goes last.
+    SGLang's llama.py adds 1 itself, so our ids go as they are. For SGLang, ``num_layers`` (when known) refuses
+    the last layer, whose output it never captures.
     """
     _check_engine(engine)
     ids = sorted(int(i) for i in ids)
@@ -92,33 +115,37 @@ def to_engine_layer_ids(ids: Sequence[int], engine: str, architecture: str) -> l
         raise ValueError("no layer ids to convert")
     if min(ids) < 0:
         raise ValueError(f"negative layer id in {ids}")
+    if engine == "sglang" and num_layers is not None and max(ids) >= int(num_layers) - 1:
+        raise ValueError(
+            f"layer {max(ids)} cannot be captured by SGLang for a {num_layers}-layer target ({architecture}): "
+            f"SGLang captures the input of layer i + 1, and the last layer ({int(num_layers) - 1}) has no next "
+            f"layer; use ids up to {int(num_layers) - 2}"
+        )
     if engine == "sglang" and serving_family(architecture) == "llama":
         return ids
     shifted = [i + 1 for i in ids]
     if engine == "sglang" and shifted[0] == 1:
-        raise ValueError(
-            f"layer ids {ids} cannot be expressed for SGLang's deepseek_v2.py ({architecture}): engine id 1 "
-            "would be shifted again by its ids[0]==1 heuristic; use ids whose smallest is >= 1"
-        )
+        shifted = shifted[1:] + [1]  # deepseek_v2.py shifts every id again when the first is 1
     return shifted
 
 
 def from_engine_layer_ids(ids: Sequence[int], engine: str, architecture: str) -> list[int]:
     """Inverse of :func:`to_engine_layer_ids`: what an existing drafter config's ids mean in our convention.
 
-    For SGLang's deepseek family both ``[1, 29, 57]`` and ``[2, 30, 58]`` mean our ``[1, 29, 57]``.
+    For SGLang's deepseek family the rule reads the first id *as written*: both ``[1, 29, 57]`` and
+    ``[2, 30, 58]`` mean our ``[1, 29, 57]``, and ``[2, 3, 1]`` means our ``[0, 1, 2]``.
     """
     _check_engine(engine)
-    ids = sorted(int(i) for i in ids)
-    if not ids:
+    written = [int(i) for i in ids]
+    if not written:
         raise ValueError("no layer ids to convert")
-    if engine == "sglang" and (serving_family(architecture) == "llama" or ids[0] == 1):
-        ours = ids
+    if engine == "sglang" and (serving_family(architecture) == "llama" or written[0] == 1):
+        ours = sorted(written)
     else:
-        ours = [i - 1 for i in ids]
+        ours = sorted(i - 1 for i in written)
     if min(ours) < 0:
         raise ValueError(
-            f"{engine} layer ids {ids} ({architecture}) include the embedding output (input of layer 0), "
+            f"{engine} layer ids {written} ({architecture}) include the embedding output (input of layer 0), "
             "which is not a decoder-layer output"
         )
     return ours

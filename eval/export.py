@@ -416,7 +416,7 @@ def export_checkpoint(ecfg: ExportConfig) -> ExportResult:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    ids = to_engine_layer_ids(cfg.aux_layer_ids, ecfg.format, cfg.target_architecture)
+    ids = to_engine_layer_ids(cfg.aux_layer_ids, ecfg.format, cfg.target_architecture, cfg.target_num_layers)
     log.info("exported %s -> %s (%s format, %s, %d tensors, engine layer ids %s)",
              source, out, ecfg.format, dtype_name, len(state), ids)
     return ExportResult(out=out, source=source, config=cfg, command=command)

@@ -6,6 +6,7 @@ import logging
 import sys
 
 from core.config import ConfigError
+from core.engines.driver_protocol import EngineError
 from extract.config import parse_args
 from extract.records import BadRecordError
 
@@ -23,6 +24,12 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s", e)
         return 2
     except FileNotFoundError as e:
+        log.error("%s", e)
+        return 2
+    except EngineError as e:  # the engine failed (its log's first traceback is in the message), or is missing
+        log.error("%s", e)
+        return 1
+    except ValueError as e:  # a target or engine setting refused before the engine starts, by key or layer
         log.error("%s", e)
         return 2
     except OSError as e:  # disk full, quota, I/O error: shards written so far are complete and kept

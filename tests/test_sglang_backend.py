@@ -1,44 +1,43 @@
-"""SGLang adapter: argument building and response parsing in SGLang 0.5.23's shapes, without a GPU.
+"""SGLang adapter: argument building and response parsing in SGLang 0.5.23's shapes, without an engine.
 
-SGLang cannot run here, so the pure pieces are tested on response dicts shaped like
-``sglang/srt/managers/tokenizer_manager.py`` builds them, and the whole backend is driven once by a
-stand-in ``sglang`` module whose engine computes those responses from a tiny HF model. That end-to-end
-check compares the result with the HF backend, which catches off-by-one errors in the teacher rows
-and the layer-id conversion.
+The pure pieces are tested on response dicts shaped like ``sglang/srt/managers/tokenizer_manager.py`` builds
+them; SGLang's real engine runs the whole backend in tests/test_sglang_capture.py (the SGLang lane), which
+compares it with the HF backend layer by layer.
 """
 
 from __future__ import annotations
 
 import ast
-import asyncio
 import dataclasses
 import importlib.util
-import sys
 import types
-import weakref
 from pathlib import Path
 
 import pytest
 import torch
 
 from core import layers
-from extract.backends.base import GenerationConfig, TeacherSpec
-from extract.backends.sglang import (
-    LANGUAGE_MODEL_ONLY_ARCHITECTURES,
-    SGLANG_MISSING,
-    SGLangTarget,
-    build_engine_kwargs,
+from core.engines.request import TokenRequest, sglang_sampling_params
+from core.engines.sglang_driver import (
     capture_request,
     check_response,
-    check_teacher,
-    generation_request,
-    is_multimodal_config,
-    parse_capture_output,
     parse_generate_output,
+    spec_counters,
+)
+from core.engines.sglang_driver import parse_capture_output as _parse
+from extract.backends.base import TeacherSpec
+from extract.backends.sglang import (
+    LANGUAGE_MODEL_ONLY_ARCHITECTURES,
+    build_engine_kwargs,
+    check_teacher,
+    is_multimodal_config,
     read_target_info,
 )
 
-HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
+
+def parse_capture_output(output, k, **kw):
+    """The driver's parsed tensors, read as attributes (as the backend's Captured)."""
+    return types.SimpleNamespace(last_hidden=None, **_parse(output, k, **kw))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -206,13 +205,10 @@ def test_requests_are_what_the_real_engine_accepts():
     assert req.is_single and req.return_hidden_states is True and req.logprob_start_len == 0
     SamplingParams(**capture["sampling_params"])
 
-    gen = generation_request([[1, 2], [3]], GenerationConfig(temperature=0.7, top_p=0.9, seed=3), [2])
-    assert set(gen) <= _params(engine, "generate")
-    req = GenerateReqInput(**gen)
-    req.normalize_batch_and_arguments()
-    assert not req.is_single and req.batch_size == 2
-    params = SamplingParams(**gen["sampling_params"])
+    params = SamplingParams(**sglang_sampling_params(TokenRequest("0", [1, 2], 16, temperature=0.7, top_p=0.9,
+                                                                  seed=3, stop_token_ids=[2])))
     assert params.sampling_seed == 3 and params.no_stop_trim and set(params.stop_token_ids) == {2}
+    assert "generate" in {n.name for n in engine.body if isinstance(n, ast.FunctionDef)}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -228,13 +224,21 @@ def test_capture_request_asks_for_prompt_logprobs_and_hidden_states():
     }
 
 
-def test_generation_request_carries_sampling_and_stops():
-    greedy = generation_request([[1, 2]], GenerationConfig(max_new_tokens=16), [2, 7])
-    assert greedy["input_ids"] == [[1, 2]]
-    assert greedy["sampling_params"] == {"max_new_tokens": 16, "temperature": 0.0, "top_p": 1.0,
-                                         "stop_token_ids": [2, 7], "no_stop_trim": True}
-    sampled = generation_request([[1]], GenerationConfig(temperature=0.7, top_p=0.9, seed=5), [2])
-    assert sampled["sampling_params"]["sampling_seed"] == 5 and sampled["sampling_params"]["top_p"] == 0.9
+def test_sampling_params_carry_sampling_and_stops():
+    greedy = sglang_sampling_params(TokenRequest("0", [1, 2], 16, stop_token_ids=[2, 7]))
+    assert greedy["max_new_tokens"] == 16 and greedy["temperature"] == 0.0 and greedy["top_p"] == 1.0
+    assert greedy["stop_token_ids"] == [2, 7] and greedy["no_stop_trim"] and "sampling_seed" not in greedy
+    sampled = sglang_sampling_params(TokenRequest("0", [1], 8, temperature=0.7, top_p=0.9, seed=5))
+    assert sampled["sampling_seed"] == 5 and sampled["top_p"] == 0.9
+
+
+def test_spec_counters_read_sglangs_histogram_per_position():
+    """SGLang's histogram counts verify rounds by drafts accepted; position j accepted in rounds with > j."""
+    meta = {"spec_verify_ct": 5, "spec_num_correct_drafts": 7, "spec_num_proposed_drafts": 15,
+            "spec_accept_length": 2.2, "spec_correct_drafts_histogram": [1, 2, 1, 1]}
+    c = spec_counters(meta, 3)
+    assert (c["num_drafts"], c["num_accepted_tokens"], c["num_draft_tokens"]) == (5, 7, 15)
+    assert c["num_accepted_tokens_per_pos"] == [4, 2, 1] and sum(c["num_accepted_tokens_per_pos"]) == 7
 
 
 def test_only_topk_teacher_is_possible():
@@ -325,12 +329,15 @@ def test_parse_generate_output_ends_with_the_matched_stop():
 # ---------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(HAVE_SGLANG, reason="SGLang is installed here")
-def test_missing_sglang_raises_clear_error(tmp_path):
-    with pytest.raises(RuntimeError) as e:
-        SGLangTarget(str(tmp_path))
-    assert "pip install 'redraft[sglang]'" in str(e.value) and "--backend hf" in str(e.value)
-    assert str(e.value) == SGLANG_MISSING
+def test_no_sglang_anywhere_names_the_make_target(tmp_path, monkeypatch):
+    from core.engines import sglang as runner
+
+    monkeypatch.setattr(runner.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setenv("SGLANG_CPU_VENV", str(tmp_path / "none"))
+    with pytest.raises(runner.EngineError, match="make sglang-cpu-venv"):
+        runner.engine_runtime()
+    with pytest.raises(runner.EngineError, match="no such file"):
+        runner.engine_runtime(str(tmp_path / "python"))
 
 
 @pytest.fixture(scope="module")
@@ -363,150 +370,3 @@ def test_target_info_custom_ids_and_errors(tiny_models, tmp_path):
         read_target_info(tiny_models["llama"], aux_layer_ids=[0, 3, 8])
     with pytest.raises(FileNotFoundError, match="no config.json"):
         read_target_info(tmp_path)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# End to end through a stand-in sglang module
-# ---------------------------------------------------------------------------------------------------------
-
-
-class _Rows(list):
-    """A response's hidden-state rows (a list, as SGLang sends them) that a weak reference can watch."""
-
-
-class _StandInEngine:
-    """Answers like sglang.Engine does for a llama-family target, computed with transformers.
-
-    Capture point (sglang/srt/models/llama.py::set_eagle3_layers_to_capture): engine id v is captured
-    at the input of layer v + 1, i.e. HF hidden_states[v + 1]. Like the real engine it owns an event loop
-    (``loop``) that ``async_generate`` runs on; its answers arrive staggered (request i after i steps),
-    and it records how many earlier responses' hidden-state lists are still alive when each one is made.
-    """
-
-    started: list[dict] = []
-
-    def __init__(self, **kwargs):
-        from transformers import AutoModelForCausalLM
-
-        assert kwargs["enable_return_aux_hidden_states"] and kwargs["disable_radix_cache"]
-        self.kwargs = kwargs
-        self.model = AutoModelForCausalLM.from_pretrained(kwargs["model_path"], dtype=torch.float32).eval()
-        self.shut = False
-        self.loop = asyncio.new_event_loop()
-        self.in_flight = self.max_in_flight = 0
-        self.lists: list[weakref.ref] = []
-        self.max_lists_alive = 0
-        _StandInEngine.started.append(kwargs)
-
-    def _one_capture(self, ids: list[int], k: int) -> dict:
-        with torch.inference_mode():
-            out = self.model(torch.tensor([ids]), output_hidden_states=True)
-        capture = [v + 1 for v in self.kwargs["return_aux_hidden_state_layer_ids"]]
-        aux = torch.cat([out.hidden_states[i][0] for i in capture], dim=-1)
-        lp = torch.log_softmax(out.logits[0].float(), dim=-1)
-        vals, idx = lp.topk(k, dim=-1)
-        rows = [[(v, i, None) for v, i in zip(vr, ir, strict=True)] for vr, ir in zip(vals.tolist(), idx.tolist(),
-                                                                                       strict=True)]
-        return {
-            "output_ids": [int(idx[-1, 0])],
-            "meta_info": {"prompt_tokens": len(ids), "cached_tokens": 0, "hidden_states": [_Rows(aux.tolist())],
-                          "input_top_logprobs": [None, *rows[:-1]], "output_top_logprobs": [rows[-1]],
-                          "finish_reason": {"type": "length", "length": 1}},
-        }
-
-    def _one_generation(self, ids: list[int], params: dict) -> dict:
-        seq, new = list(ids), []
-        finish: dict = {"type": "length", "length": params["max_new_tokens"]}
-        for _ in range(params["max_new_tokens"]):
-            with torch.inference_mode():
-                tok = int(self.model(torch.tensor([seq])).logits[0, -1].argmax())
-            seq.append(tok)
-            new.append(tok)
-            if tok in params["stop_token_ids"]:
-                finish = {"type": "stop", "matched": tok}
-                break
-        return {"output_ids": new, "meta_info": {"finish_reason": finish}}
-
-    def _answer(self, ids, sampling_params, return_hidden_states, return_logprob, logprob_start_len,
-                top_logprobs_num) -> dict:
-        if return_hidden_states:
-            assert return_logprob and logprob_start_len == 0 and sampling_params["max_new_tokens"] == 1
-            self.max_lists_alive = max(self.max_lists_alive, sum(r() is not None for r in self.lists))
-            out = self._one_capture(ids, top_logprobs_num)
-            self.lists.append(weakref.ref(out["meta_info"]["hidden_states"][0]))
-            return out
-        return self._one_generation(ids, sampling_params)
-
-    def generate(self, input_ids, sampling_params, return_hidden_states=False, return_logprob=False,
-                 logprob_start_len=None, top_logprobs_num=None):
-        """A batch: every response is gathered before any is returned (as in SGLang)."""
-        assert not self.shut
-        return [self._answer(ids, sampling_params, return_hidden_states, return_logprob, logprob_start_len,
-                             top_logprobs_num) for ids in input_ids]
-
-    async def async_generate(self, input_ids, sampling_params, return_hidden_states=False, return_logprob=False,
-                             logprob_start_len=None, top_logprobs_num=None):
-        """One sequence (a flat id list gives a dict back, as in SGLang), answered after its turn comes."""
-        assert not self.shut and input_ids and all(isinstance(t, int) for t in input_ids)
-        assert asyncio.get_running_loop() is self.loop
-        order = self.in_flight
-        self.in_flight += 1
-        self.max_in_flight = max(self.max_in_flight, self.in_flight)
-        for _ in range(order + 1):  # request i answers after the ones before it
-            await asyncio.sleep(0)
-        self.in_flight -= 1
-        return self._answer(input_ids, sampling_params, return_hidden_states, return_logprob, logprob_start_len,
-                            top_logprobs_num)
-
-    def shutdown(self):
-        self.shut = True
-        self.loop.close()
-
-
-@pytest.fixture
-def stand_in_sglang(monkeypatch):
-    module = types.ModuleType("sglang")
-    module.Engine = _StandInEngine
-    module.__version__ = "stand-in"
-    monkeypatch.setitem(sys.modules, "sglang", module)
-    _StandInEngine.started.clear()
-    return module
-
-
-def test_backend_end_to_end_matches_hf(tiny_models, stand_in_sglang):
-    from extract.backends.hf import HFTarget
-
-    path = str(tiny_models["llama"])
-    target = SGLangTarget(path, name="tiny", tp_size=2, dtype="float32", max_length=64)
-    kw = _StandInEngine.started[-1]
-    assert kw["tp_size"] == 2 and kw["skip_tokenizer_init"] is True
-    assert kw["return_aux_hidden_state_layer_ids"] == layers.to_engine_layer_ids(
-        target.info.aux_layer_ids, "sglang", "LlamaForCausalLM")
-    hf = HFTarget(path, name="tiny")
-    assert target.info == hf.info
-
-    batch = [[1, 40, 41, 42, 43, 44], [1, 50, 51], [1, 60], [1, 61, 62, 63], [1, 70, 71, 72, 73, 74, 75]]
-    teacher = TeacherSpec(kinds=("topk",), topk=4)
-    ours, ref = target.capture(batch, teacher), hf.capture(batch, teacher)
-    for a, b in zip(ours, ref, strict=True):
-        assert a.aux_hidden.dtype == torch.float32
-        torch.testing.assert_close(a.aux_hidden, b.aux_hidden, atol=1e-4, rtol=1e-4)
-        assert torch.equal(a.topk_ids, b.topk_ids)
-        torch.testing.assert_close(a.topk_logprobs, b.topk_logprobs, atol=1e-4, rtol=1e-4)
-    engine = target.engine
-    assert engine.max_in_flight == len(batch)  # every sequence was sent at once: the engine batches them
-    # each response became tensors as it arrived: no earlier response's hidden-state lists were still alive
-    assert engine.max_lists_alive == 0
-    assert all(r() is None for r in engine.lists)
-    with pytest.raises(ValueError, match="last_hidden"):
-        target.capture(batch, TeacherSpec(kinds=("topk", "last_hidden")))
-    with pytest.raises(ValueError, match="max_length=64"):
-        target.capture([[1] * 65], teacher)
-
-    gen = GenerationConfig(max_new_tokens=5)
-    assert target.generate(batch, gen, [2]) == hf.generate(batch, gen, [2])
-
-    target.close()
-    assert target.engine is None
-    with pytest.raises(RuntimeError, match="shut down"):
-        target.capture(batch, teacher)

@@ -19,12 +19,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_embedded import kimi_mini_dir, smollm2_dir
+from helpers_embedded import capture_sequences, kimi_mini_dir, smollm2_dir
 from helpers_embedded import vllm_venv_python as venv_python
 
 from benchmarks.capture_speed import _row_rel, compare_captures
 from core.dataset.reader import DatasetReader
-from core.embedded import mtbench_records
 from extract.backends.base import TeacherSpec
 from extract.backends.hf import HFTarget
 from extract.backends.vllm import VLLMTarget
@@ -39,24 +38,12 @@ MEDIAN_REL, MAX_REL, TOP1 = 1e-5, 1e-3, 0.999
 TEACHER = TeacherSpec(kinds=("topk", "last_hidden"), topk=8)
 
 
-def _sequences(tokenizer) -> list[list[int]]:
-    """Twelve MT-bench first turns rendered with the target's chat template, and 700 arbitrary ids."""
-    seqs = []
-    for rec in mtbench_records()[:12]:
-        turn = rec["turns"][0] if "turns" in rec else rec["prompt"]
-        seqs.append(list(tokenizer.apply_chat_template([{"role": "user", "content": turn}], tokenize=True,
-                                                       add_generation_prompt=True, return_dict=False)))
-    g = torch.Generator().manual_seed(0)
-    seqs.append(torch.randint(200, min(40000, tokenizer.vocab_size), (700,), generator=g).tolist())
-    return seqs
-
-
 @pytest.fixture(scope="module", params=["smollm2-135m-instruct", "kimi-k25-mini"])
 def captured(request):
     path = smollm2_dir() if request.param.startswith("smollm2") else kimi_mini_dir()
     py = venv_python()
     hf = HFTarget(str(path))
-    seqs = _sequences(hf.tokenizer)
+    seqs = capture_sequences(hf.tokenizer)
     ours = hf.capture(seqs, TEACHER)
     engine = VLLMTarget(str(path), python=py, max_length=1024, kv_cache_bytes=1 << 29)
     try:

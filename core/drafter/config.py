@@ -83,7 +83,7 @@ class DrafterConfig:
         if not self.aux_layer_ids:
             raise ValueError("DrafterConfig.aux_layer_ids is empty")
         try:
-            check_servable(self.aux_layer_ids, self.target_architecture)
+            check_servable(self.aux_layer_ids, self.target_architecture, self.target_num_layers)
         except ValueError as e:
             raise ValueError(f"DrafterConfig.{e}") from None
         if self.hidden_act not in ACT2FN:

@@ -267,7 +267,7 @@ def serving_config(
     the target's context length: SGLang refuses a drafter shorter than its target.
     """
     _check_format(engine)
-    engine_ids = to_engine_layer_ids(cfg.aux_layer_ids, engine, cfg.target_architecture)
+    engine_ids = to_engine_layer_ids(cfg.aux_layer_ids, engine, cfg.target_architecture, cfg.target_num_layers)
     config: dict[str, Any] = {
         "architectures": [SERVING_ARCHS[cfg.attention]],
         "model_type": SERVING_MODEL_TYPES[cfg.attention],

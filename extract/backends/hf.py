@@ -154,7 +154,7 @@ class HFTarget(TargetBackend):
         architecture = (getattr(config, "architectures", None) or [type(self.model).__name__])[0]
         ids = layers.default_aux_layer_ids(num_layers, architecture) if aux_layer_ids is None else aux_layer_ids
         ids = layers.validate_aux_layer_ids(ids, num_layers)
-        layers.check_servable(ids, architecture)
+        layers.check_servable(ids, architecture, num_layers)
 
         disk_keys = weight_file_keys(folder)
         if not disk_keys:

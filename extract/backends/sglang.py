@@ -1,65 +1,47 @@
-"""SGLang target: capture through SGLang's EAGLE-3 aux-hidden-state capture, in-process via ``sglang.Engine``.
+"""SGLang target: capture through SGLang's EAGLE-3 aux-hidden-state capture, ``sglang.Engine`` in a driver.
 
 Why SGLang at all: it serves the target with the same kernels, TP/EP sharding and capture point as
 production, so the features a drafter is trained on are the ones it will see when served.
 
-Every engine argument and response field below was checked against the sglang 0.5.23 wheel (the pin
-of ``redraft[sglang]``); paths are relative to ``python/`` in sgl-project/sglang:
+The engine runs through :mod:`core.engines.sglang` (a driver subprocess: this interpreter's SGLang on a GPU
+machine, else the SGLang CPU venv of ``make sglang-cpu-venv`` with redraft's stand-in for SGLang's CPU
+kernels); the driver writes each prompt's aux states and top-k prompt log-probabilities to a file
+(:mod:`core.engines.sglang_driver`: the request and the response parsing), which is read here, checked
+against the prompt's ids and removed. Every engine argument was checked against the sglang 0.5.23 wheel (the
+pin of ``redraft[sglang]``); paths are relative to ``python/`` in sgl-project/sglang:
 
 - Engine kwargs are ``ServerArgs`` fields (``sglang/srt/entrypoints/engine.py::Engine.__init__``), declared in
   ``sglang/srt/arg_groups/fields/``: ``exec_.py`` (enable_return_aux_hidden_states,
   return_aux_hidden_state_layer_ids, enable_two_batch_overlap), ``spec.py`` (speculative_algorithm),
-  ``memory.py`` (disable_radix_cache), ``schedule.py`` (chunked_prefill_size, mem_fraction_static),
-  ``parallel.py`` (tp_size, ep_size), ``model.py`` (model_path, dtype, trust_remote_code), ``serving.py``
-  (skip_tokenizer_init), ``disagg.py`` (language_model_only); ``sglang/srt/server_args.py``
+  ``memory.py`` (disable_radix_cache, max_total_tokens), ``schedule.py`` (chunked_prefill_size,
+  mem_fraction_static), ``parallel.py`` (tp_size, ep_size), ``model.py`` (model_path, dtype, trust_remote_code),
+  ``serving.py`` (skip_tokenizer_init), ``disagg.py`` (language_model_only); ``sglang/srt/server_args.py``
   (ServerArgs.LANGUAGE_MODEL_ONLY_ARCHITECTURES).
 - Aux capture without a draft: ``sglang/srt/arg_groups/validation_hook.py::handle_aux_hidden_state_capture``
-  (speculative_algorithm only names the convention and is reset to None; needs pp_size == 1) and
-  ``sglang/srt/layers/logits_processor.py`` (full capture mode returns the packed aux tensor in place
-  of the last-layer state).
-- ``Engine.generate`` arguments: ``sglang/srt/entrypoints/engine.py``; sampling keys:
-  ``sglang/srt/sampling/sampling_params.py``.
-- Response: ``output_ids`` and ``meta_info`` keys ``hidden_states``, ``input_top_logprobs``,
-  ``output_top_logprobs``, ``prompt_tokens``, ``cached_tokens``, ``finish_reason``:
-  ``sglang/srt/managers/tokenizer_manager.py``. Prefill hidden states are one ``[T][3H]`` list per request:
-  ``sglang/srt/managers/scheduler_components/batch_result_processor.py::_append_prefill_hidden_states``
-  (``.cpu().clone().tolist()``: there is no tensor form of per-token hidden states in 0.5.23).
-- Memory: as Python floats those lists cost about 32 bytes per value, 8x fp32 (688 KB per token at
-  Kimi-K2.5's 3 x 7168). ``Engine.generate`` with a batch gathers every response before returning
-  (``tokenizer_manager.py::_handle_batch_request`` -> ``_collect_batch_responses``), so a whole batch's
-  lists would coexist. Capture therefore sends one ``Engine.async_generate`` per sequence, concurrently on
-  the engine's own event loop (``Engine.loop``, which ``Engine.generate`` also runs on; the scheduler
-  batches them as usual), and turns each response's hidden states into a float32 tensor as soon as it
-  arrives. What remains as lists at once is what one scheduler output carries, bounded by SGLang's own
-  prefill batch.
-  ``input_top_logprobs`` starts with ``None`` and drops the last prompt row, whose distribution is
-  the first output token's: ``scheduler_components/logprob_result_processor.py::_process_input_top_logprobs``.
-  Input logprobs are a plain log-softmax of the logits (``sglang/srt/layers/logprob_processor.py``); output
-  logprobs are too when sampling is greedy (``sglang/srt/layers/sampler.py``).
+  (speculative_algorithm only names the convention and is reset to None; needs pp_size == 1), the layer-id
+  range check ``model_runner_components/spec_aux_hidden_state.py::_check_capture_layer_ids_in_range`` and the
+  capture point ``models/llama.py`` / ``models/deepseek_v2.py::set_eagle3_layers_to_capture`` (``core.layers``).
+- ``models/deepseek_v2.py`` reads ``moe_layer_freq`` from the target's config.json, which transformers 5 does not
+  write: :func:`read_target_info` names it before the engine starts.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
+import shutil
+import tempfile
 import types
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from core import layers
 from core.target_weights import text_config
 from extract.backends.base import Captured, GenerationConfig, TargetBackend, TargetInfo, TeacherSpec
+from extract.timing import span
 
 log = logging.getLogger(__name__)
-
-SGLANG_MISSING = (
-    "the sglang backend needs SGLang, which is not installed: pip install 'redraft[sglang]' "
-    "(needs a CUDA machine). --backend hf works everywhere, CPU included."
-)
 
 # ServerArgs.LANGUAGE_MODEL_ONLY_ARCHITECTURES of sglang 0.5.23 (sglang/srt/server_args.py). At run time the
 # installed SGLang's own list is used; this copy only serves when that attribute is missing.
@@ -164,163 +146,6 @@ def check_teacher(teacher: TeacherSpec) -> None:
         )
 
 
-def capture_request(ids: Sequence[int], teacher_k: int) -> dict[str, Any]:
-    """``Engine.async_generate`` arguments for one sequence: a 1-token greedy step with prompt logprobs.
-
-    logprob_start_len=0 matters twice: it asks for top-k rows at every prompt position, and SGLang prunes
-    returned hidden states to the same start. Greedy keeps the last row a plain log-softmax.
-    """
-    return {
-        "input_ids": [int(t) for t in ids],
-        "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
-        "return_hidden_states": True,
-        "return_logprob": True,
-        "logprob_start_len": 0,
-        "top_logprobs_num": int(teacher_k),
-    }
-
-
-def generation_request(
-    prompts: Sequence[Sequence[int]], gen: GenerationConfig, stop_ids: Sequence[int],
-    seeds: Sequence[int] | None = None,
-) -> dict[str, Any]:
-    """``Engine.generate`` arguments for regeneration. SGLang honours sampling_seed only with
-    ``enable_deterministic_inference`` (pass it through engine_kwargs for reproducible sampling);
-    ``seeds`` gives each prompt its own (one sampling-params dict per prompt)."""
-    params: dict[str, Any] = {
-        "max_new_tokens": int(gen.max_new_tokens),
-        "temperature": float(gen.temperature),
-        "top_p": float(gen.top_p),
-        "stop_token_ids": [int(t) for t in stop_ids],
-        "no_stop_trim": True,
-    }
-    ids = [[int(t) for t in p] for p in prompts]
-    if gen.temperature > 0 and seeds is not None:
-        if len(seeds) != len(prompts):
-            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
-        return {"input_ids": ids, "sampling_params": [{**params, "sampling_seed": int(s)} for s in seeds]}
-    if gen.temperature > 0:
-        params["sampling_seed"] = int(gen.seed)
-    return {"input_ids": ids, "sampling_params": params}
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Response parsing
-# ---------------------------------------------------------------------------------------------------------
-
-
-def _as_list(outputs: Any) -> list[Mapping[str, Any]]:
-    """Engine.generate returns a dict for one prompt and a list for a batch."""
-    return [outputs] if isinstance(outputs, Mapping) else list(outputs)
-
-
-def _meta(output: Mapping[str, Any], index: int | None = None) -> Mapping[str, Any]:
-    meta = output.get("meta_info")
-    if not isinstance(meta, Mapping):
-        where = "" if index is None else f" #{index}"
-        raise ValueError(f"SGLang response{where} has no meta_info dict (keys: {sorted(output)})")
-    return meta
-
-
-def _prompt_hidden_rows(meta: Mapping[str, Any]) -> list:
-    hs = meta.get("hidden_states")
-    if not hs:
-        raise ValueError(
-            "SGLang response has no meta_info['hidden_states']: the engine must be started with "
-            "enable_return_aux_hidden_states=True and the request sent with return_hidden_states=True"
-        )
-    rows = hs[0]  # the prefill block; decode steps (none with max_new_tokens=1) would follow
-    if not rows or not isinstance(rows[0], (list, tuple)):
-        raise ValueError(
-            "meta_info['hidden_states'][0] is not a [T][hidden] block; was return_hidden_states='last' used?"
-        )
-    return rows
-
-
-def check_response(index: int, prompt: Sequence[int], output: Mapping[str, Any]) -> None:
-    """Fail loudly when SGLang returned features for fewer tokens than it was given.
-
-    Radix-cache hits and chunked prefill both shorten the returned hidden states silently.
-    """
-    meta = _meta(output, index)
-    n = len(prompt)
-    cached = meta.get("cached_tokens") or 0
-    if cached:
-        raise ValueError(
-            f"sample #{index}: SGLang served {cached} of {n} prompt tokens from the radix cache, so their hidden "
-            "states are missing; start the engine with disable_radix_cache=True"
-        )
-    if meta.get("prompt_tokens", n) != n:
-        raise ValueError(f"sample #{index}: sent {n} tokens but SGLang counted prompt_tokens={meta['prompt_tokens']}")
-    got = len(_prompt_hidden_rows(meta))
-    if got != n:
-        raise ValueError(
-            f"sample #{index}: SGLang returned hidden states for {got} of {n} prompt tokens; chunked prefill drops "
-            "middle chunks (use chunked_prefill_size=-1 or >= max_length) and radix-cache hits drop the prefix"
-        )
-    top = meta.get("input_top_logprobs")
-    if top is not None and len(top) != n:
-        raise ValueError(f"sample #{index}: {len(top)} input_top_logprobs rows for {n} prompt tokens")
-
-
-def _topk_row(row: Any, k: int, where: str) -> tuple[list[int], list[float]]:
-    """One position's (logprob, token_id, text) entries -> the k best ids and logprobs, descending."""
-    if not row or len(row) < k:
-        raise ValueError(f"{where}: {0 if not row else len(row)} top logprobs, need teacher k={k}")
-    entries = sorted(((float(e[0]), int(e[1])) for e in row), key=lambda e: -e[0])[:k]
-    return [e[1] for e in entries], [e[0] for e in entries]
-
-
-def parse_capture_output(output: Mapping[str, Any], teacher_k: int, *, aux_width: int | None = None) -> Captured:
-    """One SGLang capture response -> Captured (aux [T, n_aux*H], top-k teacher rows [T, K]).
-
-    Teacher row t (the distribution after reading tokens 0..t) is ``input_top_logprobs[t + 1]`` for
-    t < T-1 (row 0 is SGLang's placeholder None), and ``output_top_logprobs[0]`` for the last token.
-    """
-    meta = _meta(output)
-    rows = _prompt_hidden_rows(meta)
-    aux = torch.tensor(rows, dtype=torch.float32)
-    if aux.dim() != 2:
-        raise ValueError(f"hidden states are not a [T][hidden] block (shape {tuple(aux.shape)})")
-    n = aux.shape[0]
-    if aux_width is not None and aux.shape[1] != aux_width:
-        raise ValueError(
-            f"SGLang returned hidden states of width {aux.shape[1]}, expected {aux_width} (n_aux * hidden_size); "
-            "is the engine returning last-layer states instead of the aux capture?"
-        )
-    top_in = meta.get("input_top_logprobs")
-    top_out = meta.get("output_top_logprobs")
-    if top_in is None or not top_out:
-        raise ValueError(
-            "SGLang response lacks input_top_logprobs/output_top_logprobs: send return_logprob=True, "
-            "logprob_start_len=0 and top_logprobs_num=K"
-        )
-    if len(top_in) != n:
-        raise ValueError(f"{len(top_in)} input_top_logprobs rows for {n} hidden-state rows")
-    ids, lps = [], []
-    for t in range(n):
-        row = top_in[t + 1] if t + 1 < n else top_out[0]
-        where = f"teacher row {t}" + (" (output_top_logprobs[0])" if t + 1 >= n else "")
-        i, lp = _topk_row(row, teacher_k, where)
-        ids.append(i)
-        lps.append(lp)
-    return Captured(
-        aux_hidden=aux,
-        topk_ids=torch.tensor(ids, dtype=torch.int64),
-        topk_logprobs=torch.tensor(lps, dtype=torch.float32),
-    )
-
-
-def parse_generate_output(output: Mapping[str, Any]) -> list[int]:
-    """New token ids of one regeneration, ending with the stop id when one was matched."""
-    ids = [int(t) for t in output.get("output_ids") or []]
-    finish = _meta(output).get("finish_reason")
-    matched = finish.get("matched") if isinstance(finish, Mapping) else None
-    if isinstance(matched, int) and not isinstance(matched, bool) and (not ids or ids[-1] != matched):
-        ids.append(matched)
-    return ids
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Target facts from the model folder
 # ---------------------------------------------------------------------------------------------------------
@@ -395,7 +220,7 @@ def read_target_info(
     num_layers = int(need("num_hidden_layers"))
     ids = layers.default_aux_layer_ids(num_layers, architecture) if aux_layer_ids is None else aux_layer_ids
     ids = layers.validate_aux_layer_ids(ids, num_layers)
-    layers.check_servable(ids, str(architecture))
+    layers.check_servable(ids, str(architecture), num_layers)
     hidden = int(need("hidden_size"))
     heads = int(need("num_attention_heads"))
     keys = weight_file_keys(folder)
@@ -430,8 +255,41 @@ def read_target_info(
 # ---------------------------------------------------------------------------------------------------------
 
 
+def check_sglang_config(folder: Path, raw: Mapping[str, Any], architecture: str) -> None:
+    """Refuse, by key, a config.json that SGLang's model code would fail on after minutes of start-up.
+
+    ``models/deepseek_v2.py`` reads ``moe_layer_freq``, which transformers 5's ``save_pretrained`` of a
+    ``DeepseekV3ForCausalLM`` does not write (``'DeepseekV3Config' object has no attribute 'moe_layer_freq'``);
+    DeepSeek-V3's and Kimi-K2.5's published configs carry 1.
+    """
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), Mapping) else raw
+    if layers.serving_family(architecture) == "deepseek" and "moe_layer_freq" not in text:
+        where = "text_config." if text is not raw else ""
+        raise ValueError(f"{folder}/config.json: no {where}moe_layer_freq; SGLang's deepseek_v2.py reads it "
+                         "(DeepSeek-V3 and Kimi-K2.5 configs have \"moe_layer_freq\": 1; transformers 5 does not "
+                         "write it)")
+
+
+def preflight(path: str | Path, *, aux_layer_ids: Sequence[int] | None = None, trust_remote_code: bool = False,
+              engine_kwargs: Mapping[str, Any] | None = None, python: str | None = None) -> None:
+    """Everything refusable without starting the engine, before anything is written: the target's config (aux
+    layers SGLang can capture, keys its model code reads), the engine's interpreter and SGLang version, and on
+    the CPU stand-in the engine settings that would break capture (ValueError or EngineError naming them)."""
+    from core.engines.sglang import cpu_engine_kwargs, engine_runtime
+
+    info = read_target_info(path, aux_layer_ids=aux_layer_ids, trust_remote_code=trust_remote_code)
+    folder = Path(info.path)
+    check_sglang_config(folder, json.loads((folder / "config.json").read_text(encoding="utf-8")), info.architecture)
+    if engine_runtime(python).stand_in:
+        cpu_engine_kwargs(dict(engine_kwargs or {}))
+
+
 class SGLangTarget(TargetBackend):
-    """A target served by an in-process ``sglang.Engine`` (its own scheduler processes, TP/EP on GPUs)."""
+    """A target served by ``sglang.Engine`` in a driver subprocess (its own scheduler processes, TP/EP on GPUs).
+
+    max_total_tokens (engine_kwargs) bounds the KV pool; on the CPU stand-in it defaults to
+    :data:`core.engines.sglang.CPU_KV_TOKENS` (SGLang's own default takes most of the host's memory).
+    """
 
     def __init__(
         self,
@@ -446,36 +304,41 @@ class SGLangTarget(TargetBackend):
         max_length: int = 8192,
         trust_remote_code: bool = False,
         engine_kwargs: dict | None = None,
+        python: str | None = None,
+        capture_dir: str | None = None,
     ) -> None:
-        try:
-            import sglang
-        except ImportError as e:
-            raise RuntimeError(SGLANG_MISSING) from e
         from transformers import AutoTokenizer
+
+        from core.engines.sglang import SGLangEngine
 
         self.info = read_target_info(path, name=name, aux_layer_ids=aux_layer_ids, trust_remote_code=trust_remote_code)
         folder = Path(self.info.path)
+        raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        check_sglang_config(folder, raw, self.info.architecture)
         self.tokenizer = AutoTokenizer.from_pretrained(
             str(folder), local_files_only=True, trust_remote_code=trust_remote_code
         )
         self.max_length = int(max_length)
-        engine_ids = layers.to_engine_layer_ids(self.info.aux_layer_ids, "sglang", self.info.architecture)
-        raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-        lmo = _language_model_only_architectures()
+        engine_ids = layers.to_engine_layer_ids(self.info.aux_layer_ids, "sglang", self.info.architecture,
+                                                self.info.num_layers)
         self.engine_kwargs = build_engine_kwargs(
             str(folder), engine_layer_ids=engine_ids, architecture=self.info.architecture,
             multimodal=is_multimodal_config(raw), tp_size=tp_size, ep_size=ep_size, dtype=dtype,
             mem_fraction_static=mem_fraction_static, max_length=max_length, trust_remote_code=trust_remote_code,
-            language_model_only_architectures=lmo, engine_kwargs=engine_kwargs,
+            language_model_only_architectures=_language_model_only_architectures(), engine_kwargs=engine_kwargs,
         )
-        log.info("starting sglang %s engine for %s: aux layers %s (engine ids %s), tp=%d ep=%d",
-                 getattr(sglang, "__version__", "?"), self.info.name, list(self.info.aux_layer_ids), engine_ids,
-                 tp_size, ep_size)
-        self.engine: Any = sglang.Engine(**self.engine_kwargs)
+        self._own_dir = capture_dir is None
+        self.capture_dir = Path(capture_dir or tempfile.mkdtemp(prefix="redraft-sglang-capture-"))
+        self.capture_dir.mkdir(parents=True, exist_ok=True)
+        log.info("SGLang capture of %s: aux layers %s as engine ids %s, tp=%d ep=%d, files under %s",
+                 self.info.name, list(self.info.aux_layer_ids), engine_ids, tp_size, ep_size, self.capture_dir)
+        with span("load"):
+            self.engine: Any = SGLangEngine(
+                self.engine_kwargs, python=python, capture_dir=str(self.capture_dir), timeout_s=None,
+                aux_width=len(self.info.aux_layer_ids) * self.info.hidden_size, what="capture (SGLang)")
 
     def capture(self, batch: list[list[int]], teacher: TeacherSpec) -> list[Captured]:
-        """One 1-token greedy request per sequence, sent together; aux states and top-k rows come back in
-        meta_info and each response becomes tensors as soon as it arrives (see the module docstring)."""
+        """The batch's prompts sent together (the engine batches them); each file read, checked, removed."""
         check_teacher(teacher)
         if not batch:
             return []
@@ -483,30 +346,26 @@ class SGLangTarget(TargetBackend):
         if too_long:
             i = too_long[0]
             raise ValueError(f"sequence #{i} has {len(batch[i])} tokens; expected 1..max_length={self.max_length}")
-        engine = self._engine()
-        width = len(self.info.aux_layer_ids) * self.info.hidden_size
-
-        async def one(i: int, seq: list[int]) -> Captured:
-            output = await engine.async_generate(**capture_request(seq, teacher.topk))
-            check_response(i, seq, output)
-            return parse_capture_output(output, teacher.topk, aux_width=width)  # the lists die with `output`
-
-        async def every() -> list[Captured]:
-            return list(await asyncio.gather(*(one(i, seq) for i, seq in enumerate(batch))))
-
-        return engine.loop.run_until_complete(every())
+        rows = self._engine().capture(batch, teacher.topk)
+        if len(rows) != len(batch):
+            raise ValueError(f"SGLang returned {len(rows)} captures for {len(batch)} prompts")
+        return [read_capture_file(row["path"], seq) for row, seq in zip(rows, batch, strict=True)]
 
     def generate(self, prompts: list[list[int]], gen: GenerationConfig, stop_ids: list[int],
                  seeds: list[int] | None = None) -> list[list[int]]:
-        """Continue each prompt with the engine's sampler; SGLang batches the requests itself."""
+        """Continue each prompt with the engine's sampler; SGLang batches the requests itself. SGLang honours
+        a sampling seed only with ``enable_deterministic_inference`` (pass it through engine_args)."""
+        from extract.regen_engines import token_requests
+
         if not prompts:
             return []
         if min(len(p) for p in prompts) < 1:
             raise ValueError("cannot generate from an empty prompt")
-        outputs = _as_list(self._engine().generate(**generation_request(prompts, gen, stop_ids, seeds)))
-        if len(outputs) != len(prompts):
-            raise ValueError(f"SGLang returned {len(outputs)} generations for {len(prompts)} prompts")
-        return [parse_generate_output(o) for o in outputs]
+        reqs = token_requests(prompts, [gen.max_new_tokens] * len(prompts), gen, stop_ids, seeds)
+        rows = self._engine().generate(reqs)
+        if len(rows) != len(prompts):
+            raise ValueError(f"SGLang returned {len(rows)} generations for {len(prompts)} prompts")
+        return [list(r["output_token_ids"]) for r in rows]
 
     def _engine(self) -> Any:
         if self.engine is None:
@@ -517,7 +376,26 @@ class SGLangTarget(TargetBackend):
         """Shut the engine's scheduler/detokenizer processes down and free the GPUs."""
         engine, self.engine = getattr(self, "engine", None), None
         if engine is not None:
-            engine.shutdown()
+            engine.close()
+        if getattr(self, "_own_dir", False) and self.capture_dir.exists():
+            shutil.rmtree(self.capture_dir, ignore_errors=True)
+
+
+def read_capture_file(path: str | Path, expected_ids: Sequence[int]) -> Captured:
+    """One prompt's capture file (written by the driver) as Captured; refused unless it holds the prompt's ids.
+    Removes the file."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    try:
+        data = load_file(str(path))
+    finally:
+        path.unlink(missing_ok=True)
+    got = data["input_ids"].tolist()
+    if got != [int(t) for t in expected_ids]:
+        raise ValueError(f"{path.name}: the engine's file holds {len(got)} token ids that are not the prompt's "
+                         f"{len(expected_ids)}")
+    return Captured(aux_hidden=data["aux_hidden"], topk_ids=data["topk_ids"], topk_logprobs=data["topk_logprobs"])
 
 
 def _language_model_only_architectures() -> tuple[str, ...]:
