@@ -32,7 +32,7 @@ from core.atomic import atomic_write_text  # noqa: E402
 from core.embedded import resolve_target  # noqa: E402
 from core.engines.request import TokenRequest  # noqa: E402
 from core.engines.vllm import EngineSettings, VLLMEngine, VLLMServer  # noqa: E402
-from eval.online import aggregate, vllm_drafter  # noqa: E402
+from eval.online import aggregate, engine_drafter  # noqa: E402
 from eval.serving import ServingConfig, run_benchmark  # noqa: E402
 from eval.serving_prompts import encode_chat_prompts, load_prompts  # noqa: E402
 
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     target = resolve_target(args.target)
     with tempfile.TemporaryDirectory(prefix="redraft-counters-") as tmp:
-        drafter, how = vllm_drafter(args.drafter, Path(tmp), str(target))
+        drafter, how = engine_drafter(args.drafter, Path(tmp), str(target), "vllm")
         log.info("drafter %s (%s)", drafter, how)
         st = EngineSettings(target=str(target), drafter=str(drafter), steps=args.steps, max_model_len=2048,
                             kv_cache_bytes=1 << 29)

@@ -139,13 +139,13 @@ def server_list(args: argparse.Namespace) -> list[Server]:
 
 def export_drafters(servers: list[Server], out: Path, target: str) -> None:
     """Each drafter in vLLM's layout: used as is when it is a vLLM export, else exported to OUT/exports/NAME."""
-    from eval.online import OnlineError, vllm_drafter
+    from eval.online import OnlineError, engine_drafter
 
     for s in servers:
         if s.source is None:
             continue
         try:
-            s.drafter, s.how = vllm_drafter(s.source, out / "exports" / s.name, target)
+            s.drafter, s.how = engine_drafter(s.source, out / "exports" / s.name, target, "vllm")
         except OnlineError as e:
             raise GainError(f"drafter {s.name}: {e}") from None
         log.info("drafter %s: %s (%s)", s.name, s.drafter, s.how)

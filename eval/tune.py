@@ -157,7 +157,7 @@ def sweep_stage(cfg: TuneConfig, opts: ServerOptions, drafter: Path, target: str
 
 def run(cfg: TuneConfig, argv: Sequence[str]) -> dict[str, Any]:
     from core.embedded import resolve_target
-    from eval.online import OnlineError, vllm_drafter
+    from eval.online import OnlineError, engine_drafter
 
     cfg.check()
     out = Path(cfg.out)
@@ -176,7 +176,7 @@ def run(cfg: TuneConfig, argv: Sequence[str]) -> dict[str, Any]:
         raise TuneError(str(e)) from None
     log.info("offline tau: %s", ", ".join(f"k{k} {v:.3f}" for k, v in off["tau"].items()))
     try:
-        drafter, how = vllm_drafter(cfg.drafter, out / "export", target)
+        drafter, how = engine_drafter(cfg.drafter, out / "export", target, "vllm")
     except OnlineError as e:
         raise TuneError(str(e)) from None
     longest = max(len(p) for p in traffic.prompts) + traffic.max_tokens + max(ks) + 1

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `make engine-truth`: eval.acceptance's offline tau held against vLLM's online tau (issue 12).
+# `make engine-truth`: eval.acceptance's offline tau held against vLLM's and SGLang's online tau (issues 12, 33).
 #
 #   bash scripts/engine_truth.sh        # venv under $VLLM_CPU_VENV, work under $ENGINE_TRUTH_WORK
 #
@@ -18,7 +18,13 @@
 #   7. k-train  an MLA drafter, 240 steps (configs/engine-truth/kimi-train-mla.yaml)
 #   8. k-comp   chain K = ${ENGINE_TRUTH_KIMI_STEPS:-3 5} with --exact-per-request: every request's accepted
 #               tokens per position, offline = vLLM's counters
-# ENGINE_TRUTH_LANES="smollm2 kimi" (the default) picks lanes.
+# The SGLang lane (SGLang 0.5.23's own engine on the CPU: the SGLang CPU venv, redraft's stand-in for its kernels;
+# the SmolLM2 lane's drafter and data):
+#   9. s-venv   scripts/make_sglang_cpu_venv.sh (idempotent)
+#  10. s-chain  EAGLE-3 chain 3/1/4 (--speculative-num-steps 3 --speculative-eagle-topk 1
+#               --speculative-num-draft-tokens 4), --exact-per-request: SGLang's per-request counters = the walk's
+#  11. s-tree   a tree, topk 2, 6 draft tokens, depth 3, --exact-per-request
+# ENGINE_TRUTH_LANES="smollm2 kimi sglang" (the default) picks lanes.
 # It fails loudly when it cannot run (no venv and no registry, engine crash, too few samples).
 # REDRAFT_SKIP_ENGINE_TRUTH=1 skips it on purpose, and says so.
 set -euo pipefail
@@ -27,9 +33,10 @@ ROOT=$(pwd)
 PY=${PYTHON:-$ROOT/.venv/bin/python}
 WORK=${ENGINE_TRUTH_WORK:-$ROOT/.cache/engine-truth}
 export VLLM_CPU_VENV=${VLLM_CPU_VENV:-$HOME/.cache/redraft/vllm-cpu}
+export SGLANG_CPU_VENV=${SGLANG_CPU_VENV:-$HOME/.cache/redraft/sglang-cpu}
 # The built-in targets' cache: the suite's (tests/conftest.py), so kimi-k25-mini is built once per CI run.
 export REDRAFT_CACHE=${REDRAFT_CACHE:-$ROOT/.cache/redraft}
-LANES=${ENGINE_TRUTH_LANES:-smollm2 kimi}
+LANES=${ENGINE_TRUTH_LANES:-smollm2 kimi sglang}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline DS_ACCELERATOR=cpu
 export TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 
@@ -77,7 +84,8 @@ extract_once() {
 # has_checkpoint RUN: the run's latest checkpoint is complete (a rerun reuses it)
 has_checkpoint() { [ -f "$1/latest" ] && [ -f "$1/$(cat "$1/latest")/model.safetensors" ]; }
 
-smollm2_lane() {
+smollm2_inputs() {  # the demo drafter and the MT-bench data both the SmolLM2 and the SGLang lanes compare on
+    [ -n "${DRAFTER:-}" ] && return
     CURRENT=drafter; phase "2/8 drafter"
     if [ -n "${ENGINE_TRUTH_DRAFTER:-}" ]; then
         DRAFTER=$ENGINE_TRUTH_DRAFTER
@@ -98,7 +106,10 @@ smollm2_lane() {
     CURRENT=data; phase "3/8 MT-bench comparison data ($WORK/mtbench)"
     extract_once extract configs/engine-truth/mtbench.yaml "$WORK/mtbench"
     done_phase data
+}
 
+smollm2_lane() {
+    smollm2_inputs
     CURRENT=compare; phase "4/8 vLLM online vs offline walk"
     STEPS_ARGS=()
     for k in ${ENGINE_TRUTH_STEPS:-3}; do STEPS_ARGS+=(--steps "$k"); done
@@ -106,6 +117,30 @@ smollm2_lane() {
         --min-samples "${ENGINE_TRUTH_MIN_SAMPLES:-32}" --speed-samples "${ENGINE_TRUTH_SPEED_SAMPLES:-4}" \
         --json "$WORK/engine-truth.json" --markdown "$WORK/engine-truth.md"
     done_phase compare
+}
+
+sglang_lane() {
+    smollm2_inputs
+    CURRENT=sglang-venv; phase "9/11 SGLang CPU venv ($SGLANG_CPU_VENV)"
+    if ! bash scripts/make_sglang_cpu_venv.sh "$SGLANG_CPU_VENV" >"$WORK/sglang-venv.log" 2>&1; then
+        tail -n 40 "$WORK/sglang-venv.log" | sed 's/^/  /'
+        echo "engine-truth: could not build the SGLang CPU venv (full log: $WORK/sglang-venv.log)" >&2
+        exit 1
+    fi
+    grep -E '^\[make_sglang_cpu_venv' "$WORK/sglang-venv.log" | sed 's/^/  /'
+    done_phase s-venv
+
+    CURRENT=sglang-chain; phase "10/11 SGLang online vs offline walk: chain 3/1/4, every request"
+    "$PY" -m eval.engine_truth "$DRAFTER" --data "$WORK/mtbench" --engine sglang --steps 3 --exact-per-request \
+        --min-samples "${ENGINE_TRUTH_SGLANG_MIN_SAMPLES:-32}" --speed-samples "${ENGINE_TRUTH_SPEED_SAMPLES:-4}" \
+        --json "$WORK/engine-truth-sglang-chain.json" --markdown "$WORK/engine-truth-sglang-chain.md"
+    done_phase s-chain
+
+    CURRENT=sglang-tree; phase "11/11 SGLang online vs offline walk: tree topk 2, 6 draft tokens, every request"
+    "$PY" -m eval.engine_truth "$DRAFTER" --data "$WORK/mtbench" --engine sglang --steps 3 --topk 2 \
+        --num-draft-tokens 6 --exact-per-request --min-samples "${ENGINE_TRUTH_SGLANG_MIN_SAMPLES:-32}" \
+        --speed-samples 0 --json "$WORK/engine-truth-sglang-tree.json" --markdown "$WORK/engine-truth-sglang-tree.md"
+    done_phase s-tree
 }
 
 kimi_lane() {
@@ -142,7 +177,8 @@ for lane in $LANES; do
     case "$lane" in
         smollm2) smollm2_lane ;;
         kimi) kimi_lane ;;
-        *) echo "engine-truth: unknown lane '$lane' in ENGINE_TRUTH_LANES (smollm2, kimi)" >&2; exit 2 ;;
+        sglang) sglang_lane ;;
+        *) echo "engine-truth: unknown lane '$lane' in ENGINE_TRUTH_LANES (smollm2, kimi, sglang)" >&2; exit 2 ;;
     esac
 done
 
