@@ -177,6 +177,7 @@ def run(cfg: TuneConfig, argv: Sequence[str]) -> dict[str, Any]:
     log.info("offline tau: %s", ", ".join(f"k{k} {v:.3f}" for k, v in off["tau"].items()))
     try:
         drafter, how = engine_drafter(cfg.drafter, out / "export", target, "vllm")
+        sglang_drafter, _ = engine_drafter(cfg.drafter, out / "export", target, "sglang")  # its launch line's
     except OnlineError as e:
         raise TuneError(str(e)) from None
     longest = max(len(p) for p in traffic.prompts) + traffic.max_tokens + max(ks) + 1
@@ -187,7 +188,8 @@ def run(cfg: TuneConfig, argv: Sequence[str]) -> dict[str, Any]:
                          engine_python=cfg.engine_python, threads=cfg.threads, start_timeout=cfg.start_timeout)
     report: dict[str, Any] = {
         "schema": "redraft.tune/1", "complete": False, "vllm_version": None,
-        "settings": {"drafter": cfg.drafter, "drafter_export": str(drafter), "drafter_how": how, "target": target,
+        "settings": {"drafter": cfg.drafter, "drafter_export": str(drafter), "drafter_how": how,
+                     "drafter_export_sglang": str(sglang_drafter), "target": target,
                      "steps": list(cfg.steps), "probe_steps": list(cfg.probes()),
                      "concurrency": list(cfg.concurrency), "repeats": cfg.repeats, "probe_prompts": cfg.probe_prompts,
                      "warmup": cfg.warmup, "min_rounds": cfg.min_rounds, "dtype": cfg.dtype,
@@ -221,7 +223,8 @@ def run(cfg: TuneConfig, argv: Sequence[str]) -> dict[str, Any]:
         if not cfg.predict_only:
             runs = sweep_stage(cfg, opts, drafter, target, traffic, save("sweep"))
             report["answer"] = answer(runs, list(cfg.steps), off["tau"], predicted)
-            report["recommendation"] = recommendation(report["answer"], target, str(drafter), tp=cfg.tp)
+            report["recommendation"] = recommendation(report["answer"], target, {
+                "vllm": str(drafter), "sglang": str(sglang_drafter)}, tp=cfg.tp)
     except (SweepError, tune_model.ModelError) as e:
         raise TuneError(str(e)) from None
     report["complete"] = True

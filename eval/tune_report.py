@@ -71,10 +71,11 @@ def answer(sweep_runs: list[dict[str, Any]], ks: list[int], tau_offline: dict[in
     return {"per_concurrency": per_c, "no_gain_from": no_gain_from, "pooled": pooled}
 
 
-def recommendation(ans: dict[str, Any], target: str, drafter: str, tp: int = 1,
+def recommendation(ans: dict[str, Any], target: str, drafters: dict[str, str], tp: int = 1,
                    trust_remote_code: bool = False) -> dict[str, Any] | None:
     """The best setting at the lowest concurrency where one pays, served up to the highest concurrency at
-    which that same setting still pays: the SGLang and vLLM launch lines with those limits."""
+    which that same setting still pays: the SGLang and vLLM launch lines with those limits, each engine pointed
+    at its own export (``drafters``: engine -> folder; the engines read aux layer ids differently, core.layers)."""
     from eval.export import LaunchPlan, launch_command
 
     first = next((e for e in ans["per_concurrency"] if e["best"] is not None), None)
@@ -85,8 +86,8 @@ def recommendation(ans: dict[str, Any], target: str, drafter: str, tp: int = 1,
                 if any(r["k"] == k and (r["speedup"]["median"] or 0) > 1.0 for r in e["settings"]))
     plan = LaunchPlan(steps=k, topk=1, tp=tp, max_running_requests=limit, trust_remote_code=trust_remote_code)
     return {"k": k, "max_running_requests": limit,
-            "sglang": launch_command("sglang", target, drafter, plan),
-            "vllm": launch_command("vllm", target, drafter, plan)}
+            "sglang": launch_command("sglang", target, drafters["sglang"], plan),
+            "vllm": launch_command("vllm", target, drafters["vllm"], plan)}
 
 
 # ----------------------------------------------------------------------------- rendering

@@ -60,9 +60,12 @@ def test_the_answer_picks_the_best_paying_setting_and_the_crossover():
     assert best == {1: 2, 4: 1, 16: None} and ans["no_gain_from"] == 16
     row = next(r for r in ans["per_concurrency"][0]["settings"] if r["k"] == 2)
     assert row["speedup"]["median"] == pytest.approx(1.3) and row["error"] == pytest.approx(1.2 / 1.3 - 1)
-    rec = recommendation(ans, "/models/t", "/drafts/d")
+    rec = recommendation(ans, "/models/t", {"sglang": "/drafts/d-sglang", "vllm": "/drafts/d-vllm"})
     # k2 is best at concurrency 1 and pays nowhere else: served up to 1 request, limits explicit in both lines
     assert rec["k"] == 2 and rec["max_running_requests"] == 1
     assert "--speculative-num-steps 2" in rec["sglang"] and "--speculative-num-draft-tokens 3" in rec["sglang"]
     assert "--max-running-requests 1" in rec["sglang"] and "--max-num-seqs 1" in rec["vllm"]
     assert '"num_speculative_tokens": 2' in rec["vllm"]
+    # each engine at its own export: their aux layer ids differ by one for the same drafter (core.layers)
+    assert "/drafts/d-sglang" in rec["sglang"] and "/drafts/d-vllm" not in rec["sglang"]
+    assert "/drafts/d-vllm" in rec["vllm"] and "/drafts/d-sglang" not in rec["vllm"]
