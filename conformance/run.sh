@@ -12,7 +12,7 @@
 #   3. drafters  demo pipeline (extract 6 samples -> train 2 steps -> export), the same as an MLA drafter,
 #              a Kimi-K2.5-shaped drafter, one warm-started from an imported SGLang-layout drafter, and MLA
 #              drafters in the engines' layout (small, Kimi-K2.5-sized, q_lora_rank null) (conformance.make_drafters)
-#   4. engines   python -m eval.verify_engine on every export and MLA drafter + aux-id capture rules +
+#   4. engines   python -m eval.verify_engine on every export and MLA drafter +
 #              broken exports and broken MLA drafters refused
 #   5. product   `python -m eval.export --verify-with sglang` inside the engine venv (item 4's path), and the
 #              regeneration server client's SGLang /generate bodies through SGLang's schema (check_regen_api.py)
