@@ -21,9 +21,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_embedded import capture_sequences, kimi_mini_dir, sglang_venv_python, smollm2_dir
+from helpers_embedded import kimi_mini_dir, sglang_venv_python, smollm2_dir
 
 from benchmarks.capture_speed import _row_rel, compare_captures
+from benchmarks.sglang_capture import capture_every_layer, sequences
 from core import layers
 from core.dataset.reader import DatasetReader
 from core.engines.driver_protocol import EngineError
@@ -53,31 +54,13 @@ def targets(tmp_path_factory) -> dict[str, Path]:
             "deepseek-v3-6": _served_deepseek(tmp_path_factory.mktemp("ds6") / "ds6")}
 
 
-def _capture_every_layer(path: Path, seqs: list[list[int]]) -> tuple[HFTarget, list, list]:
-    """Every layer SGLang can return (0 .. L-2) through SGLang, the same through HF; (hf, sglang, hf captures)."""
-    hf = HFTarget(str(path))
-    every = list(range(hf.info.num_layers - 1))
-    ref = HFTarget(str(path), aux_layer_ids=every).capture(seqs, TEACHER)
-    engine = SGLangTarget(str(path), aux_layer_ids=every, dtype="float32", max_length=1024,
-                          python=sglang_venv_python())
-    try:
-        theirs = engine.capture(seqs, TEACHER)
-        left = sorted(p.name for p in engine.capture_dir.glob("*"))
-    finally:
-        engine.close()
-    assert left == [], "capture files were left behind"
-    return hf, theirs, ref
-
-
 @pytest.fixture(scope="module", params=["smollm2", "kimi-k25-mini", "deepseek-v3-6"])
 def captured(request, targets):
     path = targets[request.param]
     hf = HFTarget(str(path))
-    seqs = capture_sequences(hf.tokenizer, turns=6, random_ids=0)
-    g = torch.Generator().manual_seed(0)  # and a long run of arbitrary ids in the target's range
-    seqs.append(torch.randint(3, min(40000, hf.info.vocab_size), (600,), generator=g).tolist())
-    hf, theirs, ref = _capture_every_layer(path, seqs)
-    return {"name": request.param, "hf": hf, "seqs": seqs, "theirs": theirs, "ref": ref}
+    seqs = sequences(hf.tokenizer, hf.info.vocab_size)
+    got = capture_every_layer(path, seqs, sglang_venv_python())
+    return {"name": request.param, "hf": got["hf"], "seqs": seqs, "theirs": got["sglang"], "ref": got["hf_every"]}
 
 
 def test_every_layer_sglang_returns_is_the_hf_backends_layer(captured):
