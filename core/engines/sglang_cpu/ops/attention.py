@@ -35,18 +35,23 @@ def _refuse_unsupported(op: str, *, sliding_window: int, is_cross: bool, sinks: 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None, sm_scale: float,
             logit_cap: float) -> torch.Tensor:
-    """q [M, H, D], k [N, Hkv, D], v [N, Hkv, Dv], visible [M, N] bool or None -> [M, H, Dv], in fp32."""
+    """q [M, H, D], k [N, Hkv, D], v [N, Hkv, Dv], visible [M, N] bool or None -> [M, H, Dv], in fp32.
+
+    Grouped heads read their key/value head without copying it (``enable_gqa``); a logit cap (tanh of the
+    scores, Gemma-style) needs the scores themselves, so it takes the explicit path."""
     heads, kv_heads = q.shape[1], k.shape[1]
+    qf, kf, vf = (x.float().transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, heads, tokens, dim]
+    if logit_cap <= 0:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            qf, kf, vf, attn_mask=visible, scale=float(sm_scale), enable_gqa=heads != kv_heads)
+        return out[0].transpose(0, 1)
     group = heads // kv_heads
-    qf = q.float().transpose(0, 1)  # [H, M, D]
-    kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, N, D]
-    vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, N, Dv]
-    scores = torch.matmul(qf, kf.transpose(1, 2)) * float(sm_scale)
-    if logit_cap > 0:
-        scores = float(logit_cap) * torch.tanh(scores / float(logit_cap))
+    kf, vf = kf.repeat_interleave(group, dim=1), vf.repeat_interleave(group, dim=1)
+    scores = torch.matmul(qf, kf.transpose(-1, -2)) * float(sm_scale)
+    scores = float(logit_cap) * torch.tanh(scores / float(logit_cap))
     if visible is not None:
-        scores = scores.masked_fill(~visible.unsqueeze(0), float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), vf).transpose(0, 1)
+        scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), vf)[0].transpose(0, 1)
 
 
 def _cached(buffer: torch.Tensor, slots: torch.Tensor, scale: float) -> torch.Tensor:
