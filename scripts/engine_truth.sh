@@ -22,8 +22,11 @@
 # the SmolLM2 lane's drafter and data):
 #   9. s-venv   scripts/make_sglang_cpu_venv.sh (idempotent)
 #  10. s-chain  EAGLE-3 chain 3/1/4 (--speculative-num-steps 3 --speculative-eagle-topk 1
-#               --speculative-num-draft-tokens 4), --exact-per-request: SGLang's per-request counters = the walk's
-#  11. s-tree   a tree, topk 2, 6 draft tokens, depth 3, --exact-per-request
+#               --speculative-num-draft-tokens 4) on the first ${ENGINE_TRUTH_SGLANG_SAMPLES:-24} samples (SGLang on
+#               the CPU stand-in verifies ~10 rounds/s on SmolLM2: every round reads the fp32 weights),
+#               --exact-per-request: SGLang's per-request counters = the walk's; every request also without the
+#               drafter: speculation must not change SGLang's greedy output (the engine's own precondition)
+#  11. s-tree   a tree, topk 2, 6 draft tokens, depth 3, the same samples, --exact-per-request
 # ENGINE_TRUTH_LANES="smollm2 kimi sglang" (the default) picks lanes.
 # It fails loudly when it cannot run (no venv and no registry, engine crash, too few samples).
 # REDRAFT_SKIP_ENGINE_TRUTH=1 skips it on purpose, and says so.
@@ -131,15 +134,16 @@ sglang_lane() {
     done_phase s-venv
 
     CURRENT=sglang-chain; phase "10/11 SGLang online vs offline walk: chain 3/1/4, every request"
+    local n=${ENGINE_TRUTH_SGLANG_SAMPLES:-24} min=${ENGINE_TRUTH_SGLANG_MIN_SAMPLES:-20}
     "$PY" -m eval.engine_truth "$DRAFTER" --data "$WORK/mtbench" --engine sglang --steps 3 --exact-per-request \
-        --min-samples "${ENGINE_TRUTH_SGLANG_MIN_SAMPLES:-32}" --speed-samples "${ENGINE_TRUTH_SPEED_SAMPLES:-4}" \
+        --max-samples "$n" --min-samples "$min" --speed-samples "$n" \
         --json "$WORK/engine-truth-sglang-chain.json" --markdown "$WORK/engine-truth-sglang-chain.md"
     done_phase s-chain
 
     CURRENT=sglang-tree; phase "11/11 SGLang online vs offline walk: tree topk 2, 6 draft tokens, every request"
     "$PY" -m eval.engine_truth "$DRAFTER" --data "$WORK/mtbench" --engine sglang --steps 3 --topk 2 \
-        --num-draft-tokens 6 --exact-per-request --min-samples "${ENGINE_TRUTH_SGLANG_MIN_SAMPLES:-32}" \
-        --speed-samples 0 --json "$WORK/engine-truth-sglang-tree.json" --markdown "$WORK/engine-truth-sglang-tree.md"
+        --num-draft-tokens 6 --exact-per-request --max-samples "$n" --min-samples "$min" --speed-samples 0 \
+        --json "$WORK/engine-truth-sglang-tree.json" --markdown "$WORK/engine-truth-sglang-tree.md"
     done_phase s-tree
 }
 

@@ -213,6 +213,28 @@ def _lane(env_extra: dict[str, str]) -> subprocess.CompletedProcess:
                           text=True, timeout=60, check=False)
 
 
+def test_speculation_that_changes_greedy_output_fails_the_lane():
+    assert et.lossless_problem(None) is None and et.lossless_problem({"equal": 4, "of": 4}) is None
+    assert "1 of 4 requests differ" in et.lossless_problem({"equal": 3, "of": 4})
+
+
+def test_sglang_settings_are_checked_and_spelled_as_sglang_reads_them():
+    with pytest.raises(online.OnlineError, match="vLLM drafts chains only"):
+        online.OnlineSettings(topk=2, num_draft_tokens=6).check()
+    with pytest.raises(online.OnlineError, match="needs --num-draft-tokens"):
+        online.OnlineSettings(engine="sglang", topk=2).check()
+    with pytest.raises(online.OnlineError, match="--engine"):
+        online.OnlineSettings(engine="trtllm").check()
+    chain = online.sglang_kwargs("/t", online.OnlineSettings(engine="sglang", steps=3), 1024, Path("/d"))
+    assert (chain["speculative_num_steps"], chain["speculative_eagle_topk"], chain["speculative_num_draft_tokens"]) \
+        == (3, 1, 4) and chain["speculative_algorithm"] == "EAGLE3" and chain["disable_radix_cache"]
+    tree = online.sglang_kwargs("/t", online.OnlineSettings(engine="sglang", steps=3, topk=2, num_draft_tokens=6),
+                                1024, Path("/d"))
+    assert (tree["speculative_eagle_topk"], tree["speculative_num_draft_tokens"]) == (2, 6)
+    base = online.sglang_kwargs("/t", online.OnlineSettings(engine="sglang"), 1024, None)
+    assert not any(k.startswith("speculative") for k in base) and base["context_length"] == 1024
+
+
 def test_per_request_counts_are_compared_per_sample():
     rows = [{"id": "a#0", "num_drafts": 3, "num_accepted_tokens_per_pos": [2, 1]},
             {"id": "a#1", "num_drafts": 1, "num_accepted_tokens_per_pos": [0, 0]},
