@@ -68,7 +68,7 @@ sglang-cpu-venv:
 	bash scripts/make_sglang_cpu_venv.sh "$(SGLANG_CPU_VENV)"
 
 # The SGLang lane (issue 33): SGLang 0.5.23's own engine on the CPU, redraft's stand-in for its kernels: the
-# stand-in ops against SGLang's Triton kernels, capture = HF capture on three targets, the layer-id rule.
+# stand-in ops against SGLang's Triton kernels, capture = HF capture on three targets, the layer-id rule, eval.tune.
 .PHONY: sglang-lane
 sglang-lane: venv sglang-cpu-venv
 	SGLANG_CPU_VENV="$(SGLANG_CPU_VENV)" REDRAFT_REQUIRE_SGLANG_CPU=1 $(PY) -m pytest -q -m sglang_cpu tests

@@ -25,6 +25,7 @@ from typing import Any
 import aiohttp
 
 from core.engines.server import RETRYABLE_STATUS
+from core.engines.sglang_driver import spec_counters
 from eval.serving_acceptance import sglang_request_acceptance
 from eval.serving_report import RequestResult
 
@@ -139,7 +140,8 @@ async def _stream_once(session: aiohttp.ClientSession, target: Target, path: str
         tokens = usage_tokens if usage_tokens is not None else content_chunks
     verify, accept = sglang_request_acceptance(meta, int(tokens))
     return RequestResult(ok=True, latency_s=latency, ttft_s=ttft, completion_tokens=int(tokens),
-                         spec_verify_ct=verify, spec_accept_length=accept)
+                         spec_verify_ct=verify, spec_accept_length=accept,
+                         spec_counts=spec_counters(meta) if verify else None)
 
 
 async def send_request(session: aiohttp.ClientSession, target: Target, rs: RequestSettings, prompt: str,

@@ -1,5 +1,5 @@
-"""Interleaved repeats on fresh vLLM servers, and their pooling: the one sweep ``benchmarks/serving_gain.py``
-and ``eval.tune`` both run.
+"""Interleaved repeats on fresh vLLM or SGLang servers, and their pooling: the one sweep
+``benchmarks/serving_gain.py`` and ``eval.tune`` both run.
 
 Each repeat starts every server in turn (base, then each drafter or setting), measures it with
 ``eval.serving``'s sweep (warm-up, each concurrency, the engine's spec-decode counters around each) and stops
@@ -10,8 +10,9 @@ Pooling over repeats:
 
 - tokens/s (aggregate and per stream): median over repeats, with min and max;
 - TTFT/TPOT percentiles: median over repeats of each repeat's percentile (eval.serving's definitions);
-- acceptance: the spec-decode counters' differences summed over repeats, then τ = 1 + accepted / drafts and
-  accepted at position k / drafts (vLLM's definitions, as eval.serving reads them); n/a without a drafter;
+- acceptance: the spec-decode counters summed over repeats (vLLM: its ``/metrics`` counters' differences;
+  SGLang: each answer's own ``meta_info`` counters), then τ = 1 + accepted / drafts and accepted at position k
+  / drafts (vLLM's definitions, as eval.serving reads them); n/a without a drafter;
 - ratio to base: median over repeats of (server / base) in the same repeat (the pairs the interleaving makes).
 """
 
@@ -26,7 +27,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from core.engines.vllm import EngineError, EngineSettings, VLLMServer
+from core.engines.driver_protocol import EngineError
+from core.engines.vllm import EngineSettings, VLLMServer
 from eval.serving_prompts import ServingError
 
 log = logging.getLogger(__name__)
@@ -39,7 +41,8 @@ class SweepError(RuntimeError):
 
 @dataclass
 class ServerSpec:
-    """One server of a sweep: its name, the drafter in vLLM's layout (None: base) and num_speculative_tokens."""
+    """One server of a sweep: its name, the drafter in the engine's layout (None: base) and its draft steps
+    (vLLM num_speculative_tokens; SGLang a chain of them: topk 1, steps + 1 draft tokens)."""
 
     name: str
     drafter: Path | None = None
@@ -48,7 +51,7 @@ class ServerSpec:
 
 @dataclass
 class ServerOptions:
-    """How every server of a sweep is started (``vllm serve`` options and the engine's interpreter)."""
+    """How every server of a sweep is started (the engine, its options and its interpreter)."""
 
     target: str
     dtype: str = "float32"
@@ -58,6 +61,27 @@ class ServerOptions:
     engine_python: str | None = None
     threads: int | None = None
     start_timeout: float = 900.0
+    engine: str = "vllm"  # or "sglang"
+
+    def server(self, spec: ServerSpec, extra_env: dict[str, str] | None) -> Any:
+        """The started server for ``spec`` (a context manager with ``url`` and ``load_seconds``)."""
+        if self.engine == "sglang":
+            from core.engines.sglang import SGLangServer
+
+            return SGLangServer(self.sglang_kwargs(spec), python=self.engine_python, timeout_s=self.start_timeout,
+                                extra_env=extra_env)
+        return VLLMServer(self.engine_settings(spec), python=self.engine_python, timeout_s=self.start_timeout,
+                          extra_env=extra_env, stats=True)
+
+    def sglang_kwargs(self, spec: ServerSpec) -> dict[str, Any]:
+        """``launch_server`` settings: the request limit left to SGLang, so that its report shows what it
+        chooses (48 when speculating)."""
+        kw: dict[str, Any] = {"model_path": self.target, "dtype": self.dtype, "context_length": self.max_model_len}
+        if spec.drafter:
+            kw.update(speculative_algorithm="EAGLE3", speculative_draft_model_path=str(spec.drafter),
+                      speculative_num_steps=spec.steps, speculative_eagle_topk=1,
+                      speculative_num_draft_tokens=spec.steps + 1)
+        return kw
 
     def engine_settings(self, spec: ServerSpec) -> EngineSettings:
         return EngineSettings(target=self.target, drafter=str(spec.drafter) if spec.drafter else None,
@@ -69,19 +93,28 @@ class ServerOptions:
 def measure(spec: ServerSpec, url: str, cfg: Any, prompts: Sequence[str], ids: Sequence[list[int]]) -> dict[str, Any]:
     """eval.serving's sweep against one running server (warm-up, each concurrency, counters around each)."""
     from eval.serving import bench_server
+    from eval.serving_acceptance import is_cap_advice
     from eval.serving_client import Target
 
     role = BASE if spec.drafter is None else "eagle"
     result = asyncio.run(bench_server(Target(role, url, "native"), cfg, prompts, ids))
-    if result["warnings"]:  # a base server that drafts, a drafter server that does not, or no counters
-        raise SweepError(f"server {spec.name} ({url}): {'; '.join(result['warnings'])}")
+    # a base server that drafts, a drafter server that does not, no counters, concurrency above the server's limit;
+    # SGLang's 48-cap advice is for production and is kept in the report (its max_running_requests) instead
+    problems = [w for w in result["warnings"] if not is_cap_advice(w)]
+    if problems:
+        raise SweepError(f"server {spec.name} ({url}): {'; '.join(problems)}")
+    for lv in result["levels"]:  # SGLang's histogram stops at the most drafts any round accepted: pad to k
+        counts, missing = lv.spec_counts, spec.steps - len((lv.spec_counts or {}).get("num_accepted_tokens_per_pos", []))
+        if counts and missing > 0:
+            counts["num_accepted_tokens_per_pos"] = counts["num_accepted_tokens_per_pos"] + [0] * missing
+            lv.accept_per_pos = (lv.accept_per_pos or []) + [0.0] * missing
     return {**result, "levels": [asdict(lv) for lv in result["levels"]]}
 
 
 def run_interleaved(specs: Sequence[ServerSpec], opts: ServerOptions, cfg: Any, prompts: Sequence[str],
                     ids: Sequence[list[int]], repeats: int,
                     on_run: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
-    """Every server once per repeat, in order, each on a fresh ``vllm serve``; ``on_run`` sees the runs so far
+    """Every server once per repeat, in order, each freshly started; ``on_run`` sees the runs so far
     after each (to rewrite a report). A run: {repeat, server, startup_s, seconds, result}."""
     extra_env = {"OMP_NUM_THREADS": str(opts.threads)} if opts.threads else None
     runs: list[dict[str, Any]] = []
@@ -91,8 +124,7 @@ def run_interleaved(specs: Sequence[ServerSpec], opts: ServerOptions, cfg: Any, 
             log.info("[%d/%d] repeat %d, server %s: starting", len(runs) + 1, total, r + 1, spec.name)
             t0 = time.perf_counter()
             try:
-                with VLLMServer(opts.engine_settings(spec), python=opts.engine_python, timeout_s=opts.start_timeout,
-                                extra_env=extra_env, stats=True) as srv:
+                with opts.server(spec, extra_env) as srv:
                     startup = srv.load_seconds
                     result = measure(spec, srv.url, cfg, prompts, ids)
             except (EngineError, ServingError) as e:
@@ -121,18 +153,9 @@ def spread(values: Sequence[float | None]) -> dict[str, Any]:
 
 def pooled_counts(levels: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The spec-decode counters' differences summed over repeats (None when no repeat has any)."""
-    counts = [lv["spec_counts"] for lv in levels if lv.get("spec_counts")]
-    if not counts:
-        return None
-    k = max(len(c["num_accepted_tokens_per_pos"]) for c in counts)
-    return {
-        "num_drafts": sum(c["num_drafts"] for c in counts),
-        "num_draft_tokens": sum(c["num_draft_tokens"] for c in counts),
-        "num_accepted_tokens": sum(c["num_accepted_tokens"] for c in counts),
-        "num_accepted_tokens_per_pos": [sum(c["num_accepted_tokens_per_pos"][i]
-                                            for c in counts if i < len(c["num_accepted_tokens_per_pos"]))
-                                        for i in range(k)],
-    }
+    from eval.serving_report import sum_counts
+
+    return sum_counts([lv["spec_counts"] for lv in levels if lv.get("spec_counts")])
 
 
 def pool_level(levels: list[dict[str, Any]]) -> dict[str, Any]:

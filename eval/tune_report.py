@@ -22,9 +22,11 @@ DEFINITIONS = {
     "speedup": "median over repeats of the setting's aggregate tokens/s / base's in the same repeat (min-max over "
                "repeats); above 1: faster than base",
     "per_stream_speedup": "the same for per-stream tokens/s (mean over requests of tokens / latency)",
-    "tau_engine": "1 + accepted / drafts of vLLM's /metrics spec-decode counters around the setting, summed over "
-                  "repeats",
-    "tau_offline": "eval.acceptance on the same traffic (vLLM's walk, chain of k drafts)",
+    "tau_engine": "1 + accepted / drafts of the engine's own counters (vLLM: /metrics around the setting; SGLang: "
+                  "each answer's meta_info), summed over repeats",
+    "tau_offline": "eval.acceptance on the same traffic (the engine walk, chain of k drafts)",
+    "max_running_requests": "each server's request limit as it reports it (SGLang /server_info: 48 when it "
+                            "speculates and none was asked; vLLM reports none here)",
     "predicted": "eval.tune_model: tau_offline(k) x base step / (a + b k), the step costs from the probes",
     "error": "predicted / measured speedup - 1",
     "pays": "the median speed-up is above 1",
@@ -141,7 +143,8 @@ def cost_rows(report: dict[str, Any]) -> list[list[str]]:
 def markdown(report: dict[str, Any]) -> str:
     s, t = report["settings"], report["traffic"]
     lines = ["# Speculative settings that pay: eval.tune", "",
-             f"Drafter `{s['drafter']}` on target `{s['target']}`, vLLM {report.get('vllm_version') or '?'}, dtype "
+             f"Drafter `{s['drafter']}` on target `{s['target']}`, "
+             f"{'SGLang' if report.get('engine') == 'sglang' else 'vLLM'} {report.get('engine_version') or '?'}, dtype "
              f"{s['dtype']}. Traffic: {t['samples']} samples of `{t['source']}` answered by the target "
              f"({t['requests']} requests, max {t['max_tokens']} new tokens, greedy); settings "
              f"num_speculative_tokens {s['steps']}; concurrency {s['concurrency']}; {s['repeats']} interleaved "
@@ -159,6 +162,10 @@ def markdown(report: dict[str, Any]) -> str:
             lines += ["", f"Serve with k = {rec['k']} up to {rec['max_running_requests']} concurrent requests "
                       "(the highest concurrency measured at which it still beats base):", "", "```",
                       rec["sglang"], "", rec["vllm"], "```"]
+        limits = report.get("max_running_requests") or {}
+        if any(v is not None for v in limits.values()):
+            lines += ["", "max_running_requests as each server reported it: "
+                      + ", ".join(f"{name} {v}" for name, v in limits.items()) + "."]
         lines += ["", "## Every setting (median over repeats, min-max in brackets)", "",
                   markdown_table(detail_rows(report)), ""]
     if report.get("costs"):

@@ -236,6 +236,69 @@ class DriverProcess:
         return EngineError(f"{self.what}: {what}; {excerpt}")
 
 
+class ServerProcess:
+    """An engine's HTTP server on 127.0.0.1 (context manager): started as ``cmd`` in its own process group with
+    its output in a log file, ready when ``ready_path`` answers 200, stopped as a group (SIGTERM, then SIGKILL).
+    EngineError quoting the log's first traceback when it exits or is not ready within ``timeout_s``."""
+
+    def __init__(self, cmd: list[str], *, env: dict[str, str], url: str, ready_path: str, what: str,
+                 timeout_s: float) -> None:
+        self.url, self.what = url, what
+        self._tmp = tempfile.TemporaryDirectory(prefix=f"redraft-{what.lower().split()[0]}-serve-")
+        self.log_path = Path(self._tmp.name, "server.log")
+        log.info("%s: %s on %s (log %s)", what, cmd[0], url, self.log_path)
+        t0 = time.perf_counter()
+        with open(self.log_path, "w") as logf:
+            self._proc: subprocess.Popen | None = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, env=env,
+                start_new_session=True, preexec_fn=die_with_parent)
+        try:
+            self._wait_ready(ready_path, t0, timeout_s)
+        except BaseException:
+            self.close()
+            raise
+        self.load_seconds = time.perf_counter() - t0
+        log.info("%s: ready in %.0f s", what, self.load_seconds)
+
+    def _wait_ready(self, path: str, t0: float, timeout_s: float) -> None:
+        import urllib.error
+        import urllib.request
+
+        while True:
+            assert self._proc is not None
+            if self._proc.poll() is not None:
+                raise EngineError(f"{self.what}: exited with {self._proc.returncode} before it was ready; "
+                                  f"{log_excerpt(self.log_path)}")
+            if time.perf_counter() - t0 > timeout_s:
+                raise EngineError(f"{self.what}: not ready after {timeout_s:g} s; {log_excerpt(self.log_path)}")
+            try:
+                with urllib.request.urlopen(self.url + path, timeout=5) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(2)
+
+    def close(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                    proc.wait(timeout=20)
+                except (ProcessLookupError, PermissionError, subprocess.TimeoutExpired):
+                    pass
+            kill_group(proc)
+            proc.wait()
+        self._tmp.cleanup()
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
 def progress_logger(what: str, unit: str) -> Progress:
     """A progress callback that logs a line per 15 s and one at the end."""
     t0 = time.perf_counter()

@@ -19,6 +19,7 @@ traceback) instead of dying by SIGKILL with nothing of its own printed.
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import sys
@@ -27,7 +28,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from core.engines.driver_protocol import DriverProcess, EngineError
+from core.engines.driver_protocol import DriverProcess, EngineError, ServerProcess, free_port
 from core.engines.request import TokenRequest
 from core.engines.sglang_cpu import SGLANG_VERSION, SITE
 
@@ -184,3 +185,42 @@ class SGLangEngine:
 
     def __exit__(self, *exc: Any) -> None:
         self.close(graceful=exc[0] is None)
+
+
+def server_flags(kwargs: Mapping[str, Any]) -> list[str]:
+    """``sglang.Engine`` keyword arguments as ``launch_server`` flags (the same ``ServerArgs`` fields): ``a_b=v``
+    is ``--a-b v``, True a bare flag, False and None left out."""
+    out: list[str] = []
+    for key, value in kwargs.items():
+        flag = "--" + key.replace("_", "-")
+        if value is None or value is False:
+            continue
+        if value is True:
+            out.append(flag)
+        elif isinstance(value, (list, tuple)):
+            out += [flag, *(str(v) for v in value)]
+        elif isinstance(value, dict):
+            out += [flag, json.dumps(value)]
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+class SGLangServer(ServerProcess):
+    """``python -m sglang.launch_server`` on 127.0.0.1 (context manager), with the same runtime, CPU settings and
+    refusals as :class:`SGLangEngine`; ready when ``/model_info`` answers (its own warm-up is skipped: the
+    benchmark warms up itself). For ``eval.tune --engine sglang`` and tests of the server path."""
+
+    def __init__(self, engine_kwargs: Mapping[str, Any], *, python: str | None = None, port: int = 0,
+                 timeout_s: float = 900, extra_env: dict[str, str] | None = None) -> None:
+        self.runtime = engine_runtime(python)
+        kwargs = cpu_engine_kwargs(engine_kwargs) if self.runtime.stand_in else dict(engine_kwargs)
+        self.port = port or free_port()
+        kwargs.update(host="127.0.0.1", port=self.port, skip_server_warmup=True)
+        self.engine_kwargs = kwargs
+        super().__init__([self.runtime.python, "-m", "sglang.launch_server", *server_flags(kwargs)],
+                         env=engine_env(self.runtime, extra=extra_env), url=f"http://127.0.0.1:{self.port}",
+                         ready_path="/model_info", what="SGLang server", timeout_s=timeout_s)
+
+    def __enter__(self) -> SGLangServer:
+        return self

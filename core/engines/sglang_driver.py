@@ -180,13 +180,14 @@ def parse_generate_output(output: Mapping[str, Any]) -> list[int]:
     return ids
 
 
-def spec_counters(meta: Mapping[str, Any], steps: int) -> dict[str, Any]:
+def spec_counters(meta: Mapping[str, Any], steps: int | None = None) -> dict[str, Any]:
     """SGLang's own per-request speculative counters, and the same in the vocabulary redraft compares across
     engines: ``num_drafts`` (verify rounds), ``num_accepted_tokens`` (accepted drafts, the bonus token not
     counted), ``num_accepted_tokens_per_pos`` (rounds that accepted at least j + 1 drafts, from SGLang's
     histogram of drafts accepted per round)."""
     hist = [int(c) for c in meta.get("spec_correct_drafts_histogram") or []]
-    per_pos = [sum(hist[j + 1:]) for j in range(int(steps))]
+    steps = max(int(steps or 0), len(hist) - 1)  # unknown steps (a server's answer): the histogram's length
+    per_pos = [sum(hist[j + 1:]) for j in range(steps)]
     out = {key: meta.get(key) for key in SPEC_KEYS}
     out.update(num_drafts=int(meta.get("spec_verify_ct") or 0),
                num_accepted_tokens=int(meta.get("spec_num_correct_drafts") or 0),
@@ -220,10 +221,18 @@ class Driver:
         self.version = sglang.__version__
 
     def ready_fields(self) -> dict[str, Any]:
+        """Version, load time, and the request limit the scheduler enforces as SGLang reports it: the effective
+        one from its internal state (``effective_max_running_requests_per_dp``: 48 when speculating and nothing
+        was asked, SGLang's cap), the server argument beside it (None when nothing was asked)."""
         info = self.engine.get_server_info()
+        info = info if isinstance(info, Mapping) else {}
+        states = info.get("internal_states") or [{}]
+        state = states[0] if isinstance(states[0], Mapping) else {}
         return {"sglang_version": self.version, "load_seconds": self.load_seconds,
-                "max_running_requests": info.get("max_running_requests") if isinstance(info, Mapping) else None,
-                "max_total_num_tokens": info.get("max_total_num_tokens") if isinstance(info, Mapping) else None}
+                "max_running_requests": state.get("effective_max_running_requests_per_dp",
+                                                  info.get("max_running_requests")),
+                "max_running_requests_arg": info.get("max_running_requests"),
+                "max_total_num_tokens": info.get("max_total_num_tokens")}
 
     def close(self) -> None:
         engine, self.engine = getattr(self, "engine", None), None

@@ -21,22 +21,16 @@ import importlib.util
 import json
 import logging
 import os
-import signal
-import subprocess
 import sys
-import tempfile
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from core.engines.driver_protocol import (
+from core.engines.driver_protocol import (  # noqa: F401  (EngineError, free_port: this module's API too)
     DriverProcess,
     EngineError,
-    die_with_parent,
+    ServerProcess,
     free_port,
-    kill_group,
-    log_excerpt,
     progress_logger,
 )
 from core.engines.request import TokenRequest
@@ -179,7 +173,7 @@ class VLLMEngine:
         return self._process.call(cmd, n, unit)
 
 
-class VLLMServer:
+class VLLMServer(ServerProcess):
     """``vllm serve`` for a target on 127.0.0.1 (context manager): for tests and benchmarks of the server path.
 
     Started as ``python -m vllm.entrypoints.openai.api_server``, the same server as ``vllm serve``: the
@@ -195,9 +189,6 @@ class VLLMServer:
         py, self.source = engine_python(python)
         self.python = sys.executable if py == IN_PROCESS else py
         self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._tmp = tempfile.TemporaryDirectory(prefix="redraft-vllm-serve-")
-        self.log_path = Path(self._tmp.name, "server.log")
         s = settings
         cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", s.target, "--dtype", s.dtype,
                "--max-model-len", str(s.max_model_len), "--host", "127.0.0.1", "--port", str(self.port),
@@ -217,54 +208,8 @@ class VLLMServer:
             if backend := cpu_attention_backend(s.dtype, s.drafter, on_cpu):
                 spec["attention_backend"] = backend
             cmd += ["--speculative-config", json.dumps(spec)]
-        log.info("vLLM server: %s on %s (log %s)", self.python, self.url, self.log_path)
-        t0 = time.perf_counter()
-        with open(self.log_path, "w") as logf:
-            self._proc: subprocess.Popen | None = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
-                env=env, start_new_session=True, preexec_fn=die_with_parent)
-        try:
-            self._wait_ready(t0, timeout_s)
-        except BaseException:
-            self.close()
-            raise
-        self.load_seconds = time.perf_counter() - t0
-        log.info("vLLM server: ready in %.0f s", self.load_seconds)
-
-    def _wait_ready(self, t0: float, timeout_s: float) -> None:
-        import urllib.error
-        import urllib.request
-
-        while True:
-            assert self._proc is not None
-            if self._proc.poll() is not None:
-                raise EngineError(f"vLLM server: exited with {self._proc.returncode} before it was ready; "
-                                  f"{log_excerpt(self.log_path)}")
-            if time.perf_counter() - t0 > timeout_s:
-                raise EngineError(f"vLLM server: not ready after {timeout_s:g} s; {log_excerpt(self.log_path)}")
-            try:
-                with urllib.request.urlopen(self.url + "/v1/models", timeout=5) as resp:
-                    if resp.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(2)
-
-    def close(self) -> None:
-        proc, self._proc = self._proc, None
-        if proc is not None:
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGTERM)
-                    proc.wait(timeout=20)
-                except (ProcessLookupError, PermissionError, subprocess.TimeoutExpired):
-                    pass
-            kill_group(proc)
-            proc.wait()
-        self._tmp.cleanup()
+        super().__init__(cmd, env=env, url=f"http://127.0.0.1:{self.port}", ready_path="/v1/models",
+                         what="vLLM server", timeout_s=timeout_s)
 
     def __enter__(self) -> VLLMServer:
         return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
