@@ -30,6 +30,7 @@ from core.dataset.format import (
     sha256_file,
 )
 from core.dataset.fp8 import dequantize_fp8
+from core.dataset.shard_record import recorded_sha256
 from core.dataset.writer import count_tokens, shard_loss_tokens
 
 logger = logging.getLogger(__name__)
@@ -69,9 +70,11 @@ def _check_shard(root: Path, entry: Any, index: int, deep: bool) -> tuple[str, l
     if not path.is_file():
         return name, ["missing"], None
     problems: list[str] = []
-    digest = sha256_file(path)
+    recorded = None if deep else recorded_sha256(path)  # hashed once by its writer, the file unchanged since
+    digest = recorded or sha256_file(path)
     if digest != entry.get("sha256"):
-        problems.append(f"sha256 mismatch (manifest {entry.get('sha256')}, file {digest})")
+        what = "its writer's record" if recorded else "file"
+        problems.append(f"sha256 mismatch (manifest {entry.get('sha256')}, {what} {digest})")
     try:
         hdr = read_shard_header(path)
         loss = shard_loss_tokens(path)
@@ -126,8 +129,9 @@ def verify_dataset(root: str | Path, deep: bool = False) -> list[str]:
 
     Checks every shard exists inside the root, matches its manifest sha256 and counts, and
     parses consistently; the manifest totals equal the sum of shards; token_counts has the
-    right shape and total. `deep` also checks every hidden/logprob value is finite and
-    recomputes the token counts. Raises DatasetError when there is no readable manifest.
+    right shape and total. A shard's sha256 is the one its writer recorded while the file keeps the
+    size and mtime it had then (``core.dataset.shard_record``), else the file is hashed. `deep` re-hashes
+    every shard, checks every hidden/logprob value is finite and recomputes the token counts. Raises DatasetError when there is no readable manifest.
     """
     root = Path(root)
     manifest = load_manifest(root)
@@ -173,8 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--deep",
         action="store_true",
         help=(
-            "also read every row: check that all hidden states (fp8 dequantised) and teacher "
-            "log-probabilities are finite, and recompute token_counts.safetensors from the shards "
+            "also read every byte: re-hash every shard (without it, a shard whose size and mtime are still "
+            "those its writer recorded is checked by the recorded sha256), check that all hidden states (fp8 "
+            "dequantised) and teacher log-probabilities are finite, and recompute token_counts.safetensors "
             "(reads the whole dataset; slower)"
         ),
     )

@@ -215,11 +215,15 @@ def kill_when(proc: subprocess.Popen, condition: Callable[[], bool], timeout: fl
 
 
 def dataset_files(root: Path) -> dict[str, bytes]:
-    """The dataset's files by relative path: no locks, run bookkeeping, or hidden temp files."""
+    """The dataset's files by relative path: no locks, run bookkeeping (the writer's records, which hold
+    mtimes), or hidden temp files."""
+    from core.dataset.shard_record import RECORD_SUFFIX
+
     out = {}
     for p in sorted(root.rglob("*")):
         rel = p.relative_to(root)
-        if p.is_file() and not any(part.startswith(".") for part in rel.parts) and p.name not in BOOKKEEPING:
+        if (p.is_file() and not any(part.startswith(".") for part in rel.parts) and p.name not in BOOKKEEPING
+                and not p.name.endswith(RECORD_SUFFIX)):
             out[rel.as_posix()] = p.read_bytes()
     return out
 

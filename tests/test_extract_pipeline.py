@@ -14,6 +14,7 @@ from core.batching import pack_batches
 from core.config import ConfigError
 from core.dataset.format import MANIFEST_NAME
 from core.dataset.reader import DatasetReader
+from core.dataset.shard_record import RECORD_SUFFIX
 from extract.__main__ import main as extract_main
 from extract.backends.base import TeacherSpec
 from extract.backends.hf import HFTarget
@@ -65,7 +66,8 @@ def _files(root: Path) -> dict[str, bytes]:
     keep = {}
     for p in sorted(root.rglob("*")):
         rel = p.relative_to(root).as_posix()
-        if p.is_file() and not rel.startswith(".locks") and p.name not in ("plan.json", "header.json"):
+        if (p.is_file() and not rel.startswith(".locks") and p.name not in ("plan.json", "header.json")
+                and not p.name.endswith(RECORD_SUFFIX)):  # the writer's record holds the shard's mtime
             keep[rel] = p.read_bytes()
     return keep
 
@@ -123,7 +125,8 @@ def test_rerun_after_interruption_is_byte_identical(reference_run, tiny_target, 
     with pytest.raises(KeyboardInterrupt):
         run_extraction(_cfg(tiny_target, chat_file, out, teacher=["topk", "last_hidden"]))
     assert not (out / MANIFEST_NAME).exists()
-    assert sorted(p.name for p in (out / "shards").iterdir()) == [f"shard-00000{i}.safetensors" for i in range(2)]
+    assert sorted(p.name for p in (out / "shards").glob("*.safetensors")) == [f"shard-00000{i}.safetensors"
+                                                                           for i in range(2)]
     monkeypatch.setattr(ShardWriter, "finish", real_finish)
     summary = run_extraction(_cfg(tiny_target, chat_file, out, teacher=["topk", "last_hidden"]))
     assert summary.shards_reused == 2 and summary.shards_written == 2

@@ -34,6 +34,7 @@ from helpers_models import make_tiny_llama
 import core.atomic as atomic
 from core.dataset.format import MANIFEST_NAME, read_shard_header
 from core.dataset.reader import DatasetReader
+from core.dataset.shard_record import RECORD_SUFFIX
 from extract.__main__ import main as extract_main
 from extract.backends.hf import HFTarget
 from extract.config import parse_args
@@ -157,7 +158,7 @@ class _FullDisk:
 
     def __call__(self, path, mode="r", *a, **kw):
         f = open(path, mode, *a, **kw)
-        if ".shard-" not in str(path) or "w" not in mode:
+        if ".safetensors.tmp-" not in str(path) or "w" not in mode:  # shard files only (not their records)
             return f
         self.shards += 1
         if self.shards != self.fail_at:
@@ -179,9 +180,9 @@ def test_disk_full_in_the_shard_writer(world, small_reference, tmp_path, monkeyp
     assert extract_main(args) == 1
     assert "No space left on device" in caplog.text and "shard-000003.safetensors" in caplog.text
     assert "rerun the same command" in caplog.text
-    kept = sorted(p.name for p in (out / "shards").iterdir())
+    kept = sorted(p.name for p in (out / "shards").iterdir() if not p.name.endswith(RECORD_SUFFIX))
     assert kept == [f"shard-{i:06d}.safetensors" for i in range(3)]  # complete ones kept, no temp left
-    for p in (out / "shards").iterdir():
+    for p in (out / "shards").glob("*.safetensors"):
         read_shard_header(p)
     monkeypatch.undo()
     summary = run_extraction(parse_args(args))

@@ -248,8 +248,8 @@ def test_failed_write_leaves_no_file_at_the_final_name(tmp_path, monkeypatch, fa
     monkeypatch.undo()
     assert read_shard_info(tmp_path, 1) is None
     assert sorted(p.name for p in (tmp_path / "shards").iterdir()) == [
-        "shard-000000.safetensors"
-    ]  # no temp left
+        "shard-000000.record.json", "shard-000000.safetensors"
+    ]  # no temp left, and no record of the failed shard
     assert (tmp_path / first.path).read_bytes() == before
 
 
@@ -585,7 +585,7 @@ def test_writer_spills_next_to_the_shard_keeps_no_rows_and_cleans_up(tmp_path):
                                                       "topk_ids", "topk_logprobs", "last_hidden", "last_scale"}
     w.add(make_sample("b", 2, last_hidden=True, seed=1))
     w.finish()
-    assert sorted(p.name for p in shards.iterdir()) == ["shard-000003.safetensors"]
+    assert sorted(p.name for p in shards.iterdir()) == ["shard-000003.record.json", "shard-000003.safetensors"]
     with pytest.raises(RuntimeError, match="closed"):
         w.add(make_sample("c", 2, last_hidden=True))
 
@@ -593,11 +593,11 @@ def test_writer_spills_next_to_the_shard_keeps_no_rows_and_cleans_up(tmp_path):
     w.add(make_sample("a", 3))
     with pytest.raises(ValueError, match="'b'.*topk width"):
         w.add(make_sample("b", 3, topk=5))  # a bad sample aborts the shard: nothing of it stays
-    assert sorted(p.name for p in shards.iterdir()) == ["shard-000003.safetensors"]
+    assert sorted(p.name for p in shards.iterdir()) == ["shard-000003.record.json", "shard-000003.safetensors"]
     with ShardWriter(tmp_path, 5, hidden_dtype="bf16", num_aux=3) as w, pytest.raises(ValueError, match="taken"):
         w.add(make_sample("a", 3), position=0)
         w.add(make_sample("b", 3), position=0)
-    assert sorted(p.name for p in shards.iterdir()) == ["shard-000003.safetensors"]
+    assert sorted(p.name for p in shards.iterdir()) == ["shard-000003.record.json", "shard-000003.safetensors"]
 
 
 def test_disk_full_while_spilling_names_the_shard_and_leaves_nothing(tmp_path, monkeypatch):

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from core.dataset.format import COUNTS_NAME, MANIFEST_NAME, shard_relpath
 from core.dataset.safetensors_bytes import serialize
 from core.dataset.writer import finalize_dataset
+from extract import verify as verify_mod
 from extract.verify import main, verify_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,11 +42,21 @@ def test_good_dataset_passes(dataset, capsys):
     assert "OK" in capsys.readouterr().out
 
 
-def test_flipped_byte_is_a_sha_mismatch(dataset, capsys):
-    path = dataset / shard_relpath(1)
+def _flip_last_rows(path: Path, keep_mtime: bool) -> None:
+    """Flip one bit inside aux_hidden's rows (the file still parses, its counts hold)."""
+    st = path.stat()
     data = bytearray(path.read_bytes())
-    data[-3] ^= 0x01  # inside the last tensor's rows: the file still parses
+    n = int.from_bytes(data[:8], "little")
+    start, _ = json.loads(data[8 : 8 + n])["aux_hidden"]["data_offsets"]
+    data[8 + n + start + 1] ^= 0x01
     path.write_bytes(bytes(data))
+    # a rewrite moves mtime on (set here, since two writes within one clock tick can share it); bit rot does not
+    mtime = st.st_mtime_ns if keep_mtime else st.st_mtime_ns + 5_000_000_000
+    os.utime(path, ns=(st.st_atime_ns, mtime))
+
+
+def test_flipped_byte_is_a_sha_mismatch(dataset, capsys):
+    _flip_last_rows(dataset / shard_relpath(1), keep_mtime=False)
     problems = verify_dataset(dataset)
     assert (
         len(problems) == 1 and problems[0].startswith(shard_relpath(1)) and "sha256 mismatch" in problems[0]
@@ -53,6 +64,18 @@ def test_flipped_byte_is_a_sha_mismatch(dataset, capsys):
     assert main([str(dataset)]) == 1
     out = capsys.readouterr().out.splitlines()
     assert out == problems
+
+
+def test_writer_record_spares_the_hash_and_deep_rehashes(dataset, monkeypatch):
+    """Each shard is hashed once, by its writer: plain verify trusts that record while the file keeps the size
+    and mtime it had, so damage that keeps both (bit rot) is found by --deep only, which re-hashes."""
+    _flip_last_rows(dataset / shard_relpath(1), keep_mtime=True)
+    hashed: list[Path] = []
+    real = verify_mod.sha256_file
+    monkeypatch.setattr(verify_mod, "sha256_file", lambda p: hashed.append(Path(p)) or real(p))
+    assert verify_dataset(dataset) == [] and hashed == []
+    (line,) = verify_dataset(dataset, deep=True)
+    assert line.startswith(shard_relpath(1)) and "sha256 mismatch" in line and len(hashed) == 3
 
 
 def test_truncated_shard(dataset):

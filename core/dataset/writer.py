@@ -42,6 +42,7 @@ from core.dataset.format import (
 )
 from core.dataset.fp8 import encode_hidden, put_hidden
 from core.dataset.safetensors_bytes import data_order, header_bytes, serialize, tensor_bytes
+from core.dataset.shard_record import recorded_info, write_record
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,7 @@ class ShardWriter:
         check_hidden_dtype(hidden_dtype)
         if num_aux < 1:
             raise ValueError(f"num_aux must be >= 1, got {num_aux}")
+        self.root, self.index = Path(root), index
         self.rel = shard_relpath(index)
         self.path = Path(root) / self.rel
         self.hidden_dtype = hidden_dtype
@@ -225,6 +227,7 @@ class ShardWriter:
             self.abort()
             raise
         self.abort()  # only removes what is left: the spill files
+        write_record(self.root, self.index, info)  # the hash just computed, so resume and finalize need not redo it
         logger.debug("wrote %s: %d samples, %d tokens", self.rel, info.num_samples, info.num_tokens)
         return info
 
@@ -331,21 +334,25 @@ def shard_loss_tokens(path: Path) -> list[int]:
     return [int(mask[a:b].sum()) for a, b in zip(hdr.offsets, hdr.offsets[1:], strict=False)]
 
 
-def read_shard_info(root: Path, index: int) -> ShardInfo | None:
-    """For resume: None when shard `index` is absent, else its ShardInfo (sha256 computed).
+def read_shard_info(root: Path, index: int, *, rehash: bool = False) -> ShardInfo | None:
+    """For resume and finalize: None when shard `index` is absent, else its ShardInfo.
 
-    Raises DatasetError when a file at the final name does not parse or is inconsistent;
-    writes are atomic, so that means outside damage: delete the file to recompute it.
+    The writer's record (``core.dataset.shard_record``) is trusted while the file is the one it recorded, so a
+    shard is hashed once, when written; ``rehash`` (or no usable record) reads and hashes the file, and leaves
+    a record for the next caller. Raises DatasetError when a file at the final name does not parse or is
+    inconsistent; writes are atomic, so that means outside damage: delete the file to recompute it.
     """
     rel = shard_relpath(index)
     path = Path(root) / rel
     if not path.exists():
         return None
+    if not rehash and (info := recorded_info(root, index)) is not None:
+        return info
     hdr = read_shard_header(path)
     loss = shard_loss_tokens(path)
     if loss != [int(s["num_loss_tokens"]) for s in hdr.samples]:
         raise DatasetError(f"{path}: metadata num_loss_tokens disagree with key 'loss_mask'")
-    return ShardInfo(
+    info = ShardInfo(
         path=rel,
         sha256=sha256_file(path),
         num_samples=len(hdr.samples),
@@ -353,6 +360,8 @@ def read_shard_info(root: Path, index: int) -> ShardInfo | None:
         num_loss_tokens=sum(loss),
         skipped=hdr.skipped,
     )
+    write_record(root, index, info)
+    return info
 
 
 def count_tokens(shard_paths: list[Path], vocab_size: int) -> torch.Tensor:
@@ -382,13 +391,15 @@ def _sum_skipped(*parts: Mapping[str, int]) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
-def finalize_dataset(root: Path, *, num_shards: int, header: Mapping[str, Any], vocab_size: int) -> dict:
+def finalize_dataset(root: Path, *, num_shards: int, header: Mapping[str, Any], vocab_size: int,
+                     rehash: bool = False) -> dict:
     """Write token_counts.safetensors then manifest.json (both atomically) once every shard exists.
 
     `header` holds the dataset-level facts (target, tokenizer_hash, chat_template_hash,
     hidden_size, num_layers, vocab_size, aux_layer_ids, aux_layer_convention, teacher,
     hidden_dtype, max_length, generation, and parse-time skip counts under "skipped").
-    Shard facts and totals are computed here. Returns the manifest as written.
+    Shard facts and totals are computed here, each shard's sha256 from its writer's record unless ``rehash``
+    (``read_shard_info``). Returns the manifest as written.
     """
     root = Path(root)
     if "vocab_size" in header and int(header["vocab_size"]) != vocab_size:
@@ -399,7 +410,7 @@ def finalize_dataset(root: Path, *, num_shards: int, header: Mapping[str, Any], 
     infos: list[ShardInfo] = []
     headers: list[ShardHeader] = []
     for i in range(num_shards):
-        info = read_shard_info(root, i)
+        info = read_shard_info(root, i, rehash=rehash)
         assert info is not None  # checked above
         infos.append(info)
         headers.append(read_shard_header(root / info.path))
