@@ -152,6 +152,9 @@ class ExtractConfig:
                                                "disk: the window plus one shard per rank.")
     window_shards: int = _opt(0, "Streaming: start a shard only while fewer landed shards than this are in the "
                                  "folder (0: no count limit). Either limit turns streaming on.")
+    stream_group_shards: int = _opt(4, "Streaming: the trainer's stream_group_shards (shards it shuffles together); "
+                                       "the window must hold that many shards plus one, else both sides would wait "
+                                       "on each other, so a smaller window is refused.")
 
     @property
     def streaming(self) -> bool:
@@ -187,6 +190,12 @@ class ExtractConfig:
             raise ConfigError("engine_args: only --backend sglang or vllm start an engine; --backend hf takes none")
         if self.window_bytes < 0 or self.window_shards < 0:
             raise ConfigError("window_bytes / window_shards: must be >= 0 (0: no limit of that kind)")
+        if self.stream_group_shards < 1:
+            raise ConfigError(f"stream_group_shards: must be >= 1, got {self.stream_group_shards}")
+        from core.dataset.window import window_fit_problem
+
+        if self.streaming and (problem := window_fit_problem(0, self.window_shards, 0, self.stream_group_shards)):
+            raise ConfigError(problem)
         if self.regen_kv_cache_gb <= 0:
             raise ConfigError(f"regen_kv_cache_gb: must be > 0, got {self.regen_kv_cache_gb}")
         self.self_categories = _split_commas(self.self_categories)

@@ -35,7 +35,15 @@ from core.dataset.format import (
     features_are_finite,
     shard_relpath,
 )
-from core.dataset.window import HEADER_NAME, StreamClosed, is_consumed, wait_for_room, write_seal
+from core.dataset.window import (
+    HEADER_NAME,
+    StreamClosed,
+    is_consumed,
+    wait_for_room,
+    window_fit_problem,
+    write_seal,
+    write_window,
+)
 from core.dataset.writer import ShardWriter, finalize_dataset
 from core.embedded import SELF_DATA, resolve_data, resolve_target
 from extract.backends.base import GenerationConfig, TargetBackend, TeacherSpec
@@ -541,7 +549,8 @@ def _extract(cfg: ExtractConfig, out: Path, target_path: Path, inputs: list[Path
             bpt = _bytes_per_token(cfg, hidden, num_aux)
             plan = make_plan(cfg, inputs, len(records), parsed.skipped, bpt, written, decon)
             starts = plan_shards(out, plan, lambda: record_sizes(cfg, lambda: load_tokenizer(cfg, target_path),
-                                                                 records, bpt))
+                                                                 records, bpt),
+                                 accept=lambda full: _accept_window(cfg, out, full))
             num_shards = len(starts) - 1
             summary = ExtractSummary(rank=cfg.rank, world_size=cfg.world_size, shards_total=num_shards)
             expected = expected_checksums(out)
@@ -575,7 +584,7 @@ def _extract(cfg: ExtractConfig, out: Path, target_path: Path, inputs: list[Path
                     if cfg.streaming:
                         try:
                             with span("window"):
-                                wait_for_room(out, cfg.window_bytes, cfg.window_shards)
+                                wait_for_room(out, cfg.window_bytes, cfg.window_shards, cfg.stream_group_shards)
                         except StreamClosed as e:
                             log.info("%s: stopping before shard %d", e, s)
                             summary.stream_closed = True
@@ -611,6 +620,19 @@ def _extract(cfg: ExtractConfig, out: Path, target_path: Path, inputs: list[Path
     summary.parts = clock.stop()
     summary.seconds = time.perf_counter() - start
     return summary
+
+
+def _accept_window(cfg: ExtractConfig, out: Path, plan: dict[str, Any]) -> None:
+    """A streaming window must hold the trainer's group plus one shard of the plan's largest (refused before
+    plan.json is written); the window's settings go beside the plan (window.json), for the trainer to check."""
+    if not cfg.streaming:
+        return
+    largest = int(plan.get("largest_shard_bytes") or 0) if plan.get("shard_bytes_exact") else 0
+    problem = window_fit_problem(cfg.window_bytes, cfg.window_shards, largest, cfg.stream_group_shards)
+    if problem:
+        raise ConfigError(problem)
+    write_window(out, {"window_bytes": cfg.window_bytes, "window_shards": cfg.window_shards,
+                       "stream_group_shards": cfg.stream_group_shards})
 
 
 def seal_landed_shards(out: Path, shards: Sequence[int]) -> None:

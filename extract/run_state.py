@@ -51,12 +51,14 @@ def rank_lock(out: Path, rank: int) -> Iterator[None]:
 
 
 
-_DERIVED = ("shard_starts", "num_shards")  # plan.json keys computed from the others
+_DERIVED = ("shard_starts", "num_shards", "largest_shard_bytes", "shard_bytes_exact")  # computed from the others
 
 
-def plan_shards(out: Path, plan: dict[str, Any], sizes: Callable[[], list[int]]) -> list[int]:
+def plan_shards(out: Path, plan: dict[str, Any], sizes: Callable[[], list[int]],
+                accept: Callable[[dict[str, Any]], None] = lambda plan: None) -> list[int]:
     """The shard starts of this folder: those in plan.json when it was started with the same settings,
-    else cut from `sizes()` (bytes per record) and written there. Refuses a folder started otherwise."""
+    else cut from `sizes()` (bytes per record) and written there. Refuses a folder started otherwise.
+    ``accept(full plan)`` may refuse it (raise) before anything is written."""
     path = out / PLAN_NAME
     if path.exists():
         old = json.loads(path.read_text())
@@ -64,12 +66,18 @@ def plan_shards(out: Path, plan: dict[str, Any], sizes: Callable[[], list[int]])
         if diff:
             details = "; ".join(f"{k}: folder has {old.get(k)!r}, this run {plan.get(k)!r}" for k in diff)
             raise ConfigError(f"{out} holds an extraction with other settings ({details}); use a new --out")
+        accept(old)
         return [int(x) for x in old["shard_starts"]]
     start = time.perf_counter()
-    starts = cut_shards(sizes(), shard_bytes=plan["shard_bytes"], max_records=plan["samples_per_shard"])
+    record_bytes = sizes()
+    starts = cut_shards(record_bytes, shard_bytes=plan["shard_bytes"], max_records=plan["samples_per_shard"])
     log.info("planned %d shards of <= %d records and <= %s feature bytes in %.1f s", len(starts) - 1,
              plan["samples_per_shard"], f"{plan['shard_bytes']:,}", time.perf_counter() - start)
-    full = {**plan, "num_shards": len(starts) - 1, "shard_starts": starts}
+    # the largest shard's feature bytes: exact unless the answers are yet to be generated (then a bound)
+    largest = max((sum(record_bytes[a:b]) for a, b in zip(starts, starts[1:], strict=False)), default=0)
+    full = {**plan, "num_shards": len(starts) - 1, "shard_starts": starts, "largest_shard_bytes": largest,
+            "shard_bytes_exact": plan.get("generation") is None}
+    accept(full)
     atomic_write_text(path, json.dumps(full, indent=2, sort_keys=True) + "\n")
     return starts
 
@@ -127,8 +135,7 @@ def remove_stale_temps(out: Path, shards: Sequence[int]) -> None:
     Only this rank writes these shards and we hold its lock, so no live writer owns them.
     """
     for s in shards:
-        name = Path(shard_relpath(s)).name
-        for folder, pattern in ((out / Path(shard_relpath(s)).parent, f".{name}.tmp-*"),
+        for folder, pattern in ((out / Path(shard_relpath(s)).parent, f".shard-{s:06d}.*.tmp-*"),  # shard, record, seal
                                 (out / REGEN_DIR, f".shard-{s:06d}.jsonl.tmp-*"),
                                 (out / REGEN_DIR, f".shard-{s:06d}.check.json.tmp-*")):
             for tmp in folder.glob(pattern) if folder.is_dir() else []:

@@ -27,11 +27,27 @@ EXTRACT_CONFIG=${EXTRACT_CONFIG:-configs/demo/extract.yaml}
 TRAIN_CONFIG=${TRAIN_CONFIG:-configs/demo/train.yaml}
 WINDOW=${WINDOW:-8GiB}
 
-"$PYTHON" -m extract --config "$EXTRACT_CONFIG" --out "$DATA" --window-bytes "$WINDOW" &
+# The window must hold the trainer's group of shards plus one: extraction checks it with the trainer's group.
+GROUP=$("$PYTHON" -c 'import sys, yaml; print((yaml.safe_load(open(sys.argv[1])) or {}).get("stream_group_shards", 4))' \
+        "$TRAIN_CONFIG") || die "$TRAIN_CONFIG: not readable as YAML"
+
+"$PYTHON" -m extract --config "$EXTRACT_CONFIG" --out "$DATA" --window-bytes "$WINDOW" --stream-group-shards "$GROUP" &
 EXTRACT=$!
 "$PYTHON" train/main.py --config "$TRAIN_CONFIG" --data "$DATA" --out "$RUN" --stream --resume auto "$@" &
 TRAIN=$!
 trap 'kill $EXTRACT $TRAIN 2>/dev/null || true' INT TERM
+# An extraction that fails (a refused setting, a crash) would leave the trainer waiting for shards: stop it too.
+while kill -0 $TRAIN 2>/dev/null && kill -0 $EXTRACT 2>/dev/null; do sleep 1; done
+if ! kill -0 $EXTRACT 2>/dev/null; then
+    estatus=0
+    wait $EXTRACT || estatus=$?
+    if [[ $estatus -ne 0 ]]; then
+        echo "[slurm/stream.sh] extraction failed (exit $estatus): stopping training" >&2
+        kill $TRAIN 2>/dev/null || true
+        wait $TRAIN 2>/dev/null || true
+        exit $estatus
+    fi
+fi
 status=0
 wait $TRAIN || status=$?
 wait $EXTRACT || status=$((status ? status : $?))

@@ -261,3 +261,23 @@ def test_kill_and_resume_training_is_bit_exact(world, straight, tmp_path):
     # half-saved checkpoint folders are cleaned; the few-byte `.tmp-latest.<pid>` of the kill at the
     # `latest` rename is not (train/checkpoint.py rotate_checkpoints only removes .tmp-step-*)
     assert not list(out.glob(".tmp-step-*"))
+
+
+def test_a_killed_resave_never_leaves_the_step_without_a_checkpoint(world, tmp_path):
+    """A step saved again (a run killed after renaming step 4 in but before `latest` named it resumes from step 2
+    and saves step 4 anew), killed between moving the old step 4 aside and renaming the new one in: the old one is
+    put back, whole, by the next run; before, the old folder was deleted first."""
+    out = tmp_path / "run"
+    args = base_args(world["data"], out, max_steps=4, save_every=2, keep_last=1, resume="auto")
+    log = tmp_path / "train.log"
+    assert run(self_kill_cmd("train", args, "latest:2"), log) == -9, log.read_text()[-3000:]
+    assert (out / "latest").read_text().strip() == "step-0000002" and (out / "step-0000004").is_dir()
+    before = load_file(str(out / "step-0000004" / "model.safetensors"))
+    assert run(self_kill_cmd("train", args, "step-0000004:1"), log) == -9, log.read_text()[-3000:]
+    assert not (out / "step-0000004").exists() and (out / ".replaced-step-0000004").is_dir()
+    assert find_resume_checkpoint(out, "auto") == out / "step-0000002"  # `latest` is followed, as before
+    after = load_file(str(out / "step-0000004" / "model.safetensors"))  # and step 4 is back
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert not (out / ".replaced-step-0000004").exists()
+    assert run(train_cmd(args), log) == 0, log.read_text()[-3000:]
+    assert (out / "latest").read_text().strip() == "step-0000004" and not list(out.glob(".replaced-*"))

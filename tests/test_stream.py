@@ -35,6 +35,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.campaign]
 
 RECORDS, PER_SHARD = 960, 10  # 96 shards of ~340 KB
 KILLS = 20
+GROUP = 2  # stream_group_shards: the window (3 shards) holds a group plus the shard being written
 
 
 @pytest.fixture(scope="module")
@@ -63,11 +64,12 @@ def _env() -> dict[str, str]:
 
 
 def _extract_args(target: Path, corpus: Path, out: Path, **kw: object) -> list[str]:
-    return extract_args(target, corpus, out, samples_per_shard=PER_SHARD, max_length=128, batch_tokens=1024, **kw)
+    return extract_args(target, corpus, out, samples_per_shard=PER_SHARD, max_length=128, batch_tokens=1024,
+                        stream_group_shards=GROUP, **kw)
 
 
 def _train_args(data: Path, out: Path, *, stream: bool, **kw: object) -> list[str]:
-    opts: dict[str, object] = dict(data_order="stream", stream_group_shards=2, max_steps=0, save_every=7,
+    opts: dict[str, object] = dict(data_order="stream", stream_group_shards=GROUP, max_steps=0, save_every=7,
                                    log_every=5, log_sample_ids=True, stream_poll_s=0.2)
     if stream:
         opts.update(stream=True, resume="auto")

@@ -10,7 +10,11 @@ Layout of ``OUT/step-0000100/``::
     training_state.universal/   only after an elastic resume from here: DeepSpeed's universal form of it
 
 Everything is written into ``OUT/.tmp-step-0000100`` and renamed once complete, then ``OUT/latest``
-is replaced atomically, so a run killed at any moment leaves either the old or the new checkpoint.
+is replaced atomically, so a run killed at any moment leaves either the old or the new checkpoint. A step saved
+again (a resumed run's final save) moves the old folder aside (``OUT/.replaced-step-0000100``) before the new one
+takes its name and deletes it only after; a run killed between the two renames finds it there and puts it back
+(``recover_replaced``), so there is never a moment without a complete checkpoint, even with ``keep_last: 1``.
+One trainer at a time writes into OUT (``output_lock``).
 
 Elastic resume (``resume_point``): a run resumes on another world size W' when its optimizer step, W x
 grad_accum micro-batches, can be kept (grad_accum' = W x grad_accum / W'): the data order is the global one
@@ -23,13 +27,17 @@ with ``checkpoint.load_universal``; without DeepSpeed the optimizer state is who
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import os
 import shutil
+import socket
 import subprocess
 import sys
-from collections.abc import Mapping
+import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,6 +56,8 @@ from core.drafter.folder import (
 log = logging.getLogger(__name__)
 
 TMP_PREFIX = ".tmp-"
+REPLACED_PREFIX = ".replaced-"
+LOCK_NAME = ".trainer.lock"
 TRAINING_STATE = "training_state"
 TRAINER_STATE = "trainer_state.json"
 UNIVERSAL = "training_state.universal"
@@ -89,10 +99,51 @@ def list_checkpoints(out: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+@contextlib.contextmanager
+def output_lock(out: str | Path, main_process: bool = True) -> Iterator[None]:
+    """Refuse a second trainer on the same OUT while this one runs (held by the main process, which the launcher
+    starts once per job). An flock: the kernel drops it when the holder dies, so a killed trainer never leaves
+    OUT locked."""
+    if not main_process:
+        yield
+        return
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / LOCK_NAME, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            raise CheckpointError(f"{out}: another train/main.py is training into this folder ({holder}); wait for "
+                                  "it to end or stop it, or pass another --out") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        f.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def recover_replaced(out: Path) -> None:
+    """Finish a re-save a kill interrupted: a ``.replaced-step-*`` folder is deleted once its step is complete
+    again, else renamed back (the new one never took its name)."""
+    for old in sorted(Path(out).glob(f"{REPLACED_PREFIX}step-*")) if Path(out).is_dir() else []:
+        final = old.with_name(old.name[len(REPLACED_PREFIX):])
+        if is_complete(final):
+            shutil.rmtree(old, ignore_errors=True)
+        elif is_complete(old) and not final.exists():
+            log.warning("%s: a re-save of this step was interrupted; the earlier checkpoint is put back", final)
+            os.replace(old, final)
+
+
 def find_resume_checkpoint(out: str | Path, resume: str) -> Path | None:
     """The checkpoint to resume from: ``auto`` follows OUT/latest (else the newest complete step-*)."""
     if resume == "none":
         return None
+    recover_replaced(Path(out))
     if resume != "auto":
         folder = Path(resume)
         if not is_complete(folder):
@@ -238,10 +289,13 @@ def save_checkpoint(
         )
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        if final.exists():  # same step saved again (e.g. a resumed run's final save)
-            shutil.rmtree(final)
+        replaced = out / f"{REPLACED_PREFIX}{name}"
+        if final.exists():  # same step saved again (e.g. a resumed run's final save): aside until the new one is in
+            shutil.rmtree(replaced, ignore_errors=True)
+            os.replace(final, replaced)
         os.replace(tmp, final)
         atomic_write_text(out / LATEST, name + "\n")
+        shutil.rmtree(replaced, ignore_errors=True)
         rotate_checkpoints(out, keep_last, protect=final)
         log.info("saved checkpoint %s", final)
     accelerator.wait_for_everyone()

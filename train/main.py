@@ -32,7 +32,7 @@ if __package__ in (None, ""):  # run as a script path: make the repo root import
 
 import torch  # noqa: E402
 
-from train.checkpoint import ResumePoint  # noqa: E402
+from train.checkpoint import ResumePoint, output_lock  # noqa: E402
 from train.config import TrainConfig, parse_cli  # noqa: E402
 from train.data import SamplerState, TrainData  # noqa: E402
 
@@ -384,13 +384,19 @@ class Trainer:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    cfg = parse_cli(list(sys.argv[1:] if argv is None else argv))
+    with output_lock(cfg.out, main_process=int(os.environ.get("RANK", "0")) == 0):
+        return _train(cfg)
+
+
+def _train(cfg: TrainConfig) -> dict[str, Any]:
     from accelerate.utils import set_seed
 
     from train.data import build_data
     from train.drafter_setup import build_drafter, read_lm_head
     from train.ttt import TTTModel
 
-    cfg, point = plan_resume(parse_cli(list(sys.argv[1:] if argv is None else argv)))
+    cfg, point = plan_resume(cfg)
     accelerator = make_accelerator(cfg)
     setup_logging(accelerator.process_index, accelerator.is_main_process)
     log.info("world size %d, distributed type %s, device %s", accelerator.num_processes,
@@ -416,4 +422,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    from core.drafter.folder import CheckpointError
+
+    try:
+        main()
+    except CheckpointError as e:  # a second trainer on OUT, a checkpoint that does not fit: one line, exit 2
+        logging.getLogger("train").error("%s", e)
+        sys.exit(2)

@@ -30,8 +30,19 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
+from core.config import ConfigError
 from core.dataset.format import DatasetError, shard_relpath, teacher_kinds
-from core.dataset.window import HEADER_NAME, PLAN_NAME, consume, landed_shard, plan_fingerprint
+from core.dataset.window import (
+    HEADER_NAME,
+    PLAN_NAME,
+    WINDOW_NAME,
+    consume,
+    is_consumed,
+    landed_shard,
+    plan_fingerprint,
+    read_window,
+    window_fit_problem,
+)
 from train.data import SamplerState, length_bucketed_batches
 
 log = logging.getLogger(__name__)
@@ -111,6 +122,19 @@ class StreamSource:
         self.header = json.loads((self.root / HEADER_NAME).read_text())
         self.num_shards = int(json.loads((self.root / PLAN_NAME).read_text())["num_shards"])
         self.plan = plan_fingerprint(self.root)
+        self._check_window()
+
+    def _check_window(self) -> None:
+        """Refuse a group the extraction's window cannot hold with one more shard (both would wait for ever)."""
+        window = read_window(self.root)
+        if window is None:  # written by an extraction older than the check
+            return
+        plan = json.loads((self.root / PLAN_NAME).read_text())
+        largest = int(plan.get("largest_shard_bytes") or 0) if plan.get("shard_bytes_exact") else 0
+        problem = window_fit_problem(window.get("window_bytes", 0), window.get("window_shards", 0), largest,
+                                     self.group_shards)
+        if problem:
+            raise ConfigError(f"{self.root / WINDOW_NAME} (extraction's window) and this trainer: {problem}")
 
     # --------------------------------------------------------------------------------------- groups
 
@@ -145,6 +169,11 @@ class StreamSource:
             return (self.root / shard_relpath(shard)).is_file()
         if shard not in self._verified:
             if landed_shard(self.root, shard, self.plan) is None:
+                if is_consumed(self.root, shard):
+                    raise DatasetError(
+                        f"{self.root}: shard {shard} (group {shard // self.group_shards}) was consumed by an earlier "
+                        f"train/main.py --stream on this folder (its seal is in consumed/), so it will never land "
+                        "again: continue that run with --resume auto and its --out, or extract into a new folder")
                 return False
             self._verified.add(shard)
         return True

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from core.atomic import atomic_write_text
+from core.config import ConfigError
 from core.dataset.format import SHARD_DIR, DatasetError, sha256_file, shard_relpath
 
 log = logging.getLogger(__name__)
@@ -41,6 +43,53 @@ HEADER_NAME = "header.json"
 CONSUMED_DIR = "consumed"
 SEAL_SUFFIX = ".seal.json"
 TRAINER_DONE = "trainer_done.json"  # the trainer needs no further shard (its schedule ended): extraction stops
+WINDOW_NAME = "window.json"  # extraction's window settings (rewritten by every run; not part of the plan)
+
+
+def window_fit_problem(window_bytes: int, window_shards: int, largest_shard: int, group_shards: int) -> str | None:
+    """Why a window cannot feed a trainer that shuffles ``group_shards`` shards together (None: it can).
+
+    The trainer opens a group once all its shards have landed and consumes it only after training it, so the
+    window must hold a whole group while the next shard is written: ``group_shards + 1`` shards of up to
+    ``largest_shard`` bytes (0: not known, no byte check). A smaller window leaves both sides waiting on each
+    other for ever."""
+    need = group_shards + 1
+    if window_shards and window_shards < need:
+        have, fix, fits = f"window_shards={window_shards}", f"window_shards >= {need}", window_shards - 1
+    elif window_bytes and largest_shard and window_bytes < need * largest_shard:
+        have = f"window_bytes={_size(window_bytes)}"
+        fix = f"window_bytes >= {_size(need * largest_shard)} (or smaller shards: shard_bytes, samples_per_shard)"
+        fits = window_bytes // largest_shard - 1
+    else:
+        return None
+    group_fix = f", or stream_group_shards <= {fits} (the trainer's and extraction's)" if fits >= 1 else ""
+    largest = f"; the largest is {_size(largest_shard)}" if largest_shard else ""
+    return (f"{have} cannot hold stream_group_shards={group_shards} shards plus the one being written ({need} "
+            f"shards{largest}): extraction and training would wait on each other "
+            f"for ever; set {fix}{group_fix}")
+
+
+def _size(n: int) -> str:
+    """A size the size options accept, rounded up (a suggested minimum never falls short)."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n // scale}{unit}" if n % scale == 0 else f"{math.ceil(n / scale * 100) / 100:.2f}{unit}"
+    return str(n)
+
+
+def write_window(root: Path, settings: dict[str, int]) -> None:
+    """Extraction's window, for the trainer to check its group against (``window_fit_problem``)."""
+    atomic_write_text(Path(root) / WINDOW_NAME, json.dumps(settings, sort_keys=True) + "\n")
+
+
+def read_window(root: Path) -> dict[str, int] | None:
+    path = Path(root) / WINDOW_NAME
+    if not path.is_file():
+        return None
+    try:
+        return {k: int(v) for k, v in json.loads(path.read_text()).items()}
+    except (OSError, ValueError, AttributeError) as e:
+        raise DatasetError(f"{path}: unreadable: {e}") from e
 
 
 class StreamClosed(Exception):
@@ -150,10 +199,11 @@ def window_usage(root: Path) -> WindowUsage:
     return WindowUsage(shards, total, largest)
 
 
-def wait_for_room(root: Path, max_bytes: int, max_shards: int, *, poll_s: float = 1.0,
+def wait_for_room(root: Path, max_bytes: int, max_shards: int, group_shards: int = 1, *, poll_s: float = 1.0,
                   report_every_s: float = 15.0, sleep: Callable[[float], None] = time.sleep) -> float:
     """Block while the window is at its limits (0: no limit); returns the seconds waited. Says what it waits on.
-    Raises StreamClosed once the trainer has finished (``close_stream``)."""
+    Raises StreamClosed once the trainer has finished (``close_stream``), and ConfigError once a landed shard
+    shows that the window cannot hold ``group_shards`` + 1 shards (sizes not known when planning: regeneration)."""
     start = time.perf_counter()
     last = start - report_every_s  # the first wait is reported at once
     while True:
@@ -161,6 +211,8 @@ def wait_for_room(root: Path, max_bytes: int, max_shards: int, *, poll_s: float 
         if done.is_file():
             raise StreamClosed(f"{done}: the trainer finished ({done.read_text().strip()}); no further shard is needed")
         use = window_usage(root)
+        if problem := window_fit_problem(max_bytes, max_shards, use.largest, group_shards):
+            raise ConfigError(f"{root}: the shards landed so far show that {problem}")
         # the next shard must fit: its size is estimated by the largest landed so far (the first always starts)
         full = use.shards > 0 and ((max_bytes and use.bytes + use.largest > max_bytes)
                                    or (max_shards and use.shards >= max_shards))
