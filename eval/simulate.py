@@ -311,6 +311,18 @@ def _gather(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return x.gather(2, full)
 
 
+# Bytes of tree scores per chunk of positions: a node scores every prefix key ([nodes, heads, T] fp32, a few
+# copies), so all positions at once grow as T^2 x heads (~4 GB per sample and depth at T = 4096, 64 heads, topk 2).
+TREE_SCORE_BYTES = 256 << 20
+_SCORE_COPIES = 4  # scores, their masked copy, the softmax and its concatenation with the ancestors'
+
+
+def tree_chunk_positions(bsz: int, seq: int, heads: int, topk: int, max_bytes: int = TREE_SCORE_BYTES) -> int:
+    """Positions per row simulated at once so that the nodes' prefix scores stay within ``max_bytes``."""
+    per_position = bsz * topk * heads * seq * 4 * _SCORE_COPIES
+    return max(1, max_bytes // max(per_position, 1))
+
+
 @torch.no_grad()
 def simulate_tree(
     drafter: Eagle3Drafter,
@@ -323,8 +335,44 @@ def simulate_tree(
     topk: int,
     num_draft_tokens: int,
     steps: int,
+    max_score_bytes: int = TREE_SCORE_BYTES,
 ) -> TreeResult:
-    """Greedy acceptance of SGLang-style EAGLE trees at the positions marked in ``positions`` [B, T]."""
+    """Greedy acceptance of SGLang-style EAGLE trees at the positions marked in ``positions`` [B, T].
+
+    A position's tree depends only on step 0's state, so the positions run in chunks
+    (``tree_chunk_positions``) and memory stays bounded whatever T; results come in (sample, position) order."""
+    bsz, seq = input_ids.shape
+    heads = drafter.midlayer.self_attn.num_heads
+    chunk = tree_chunk_positions(bsz, seq, heads, max(topk, 1), max_score_bytes)
+    rank = positions.to(torch.int64).cumsum(1) - 1  # each marked position's place in its row
+    width = int(positions.sum(1).max()) if bsz else 0
+    if width <= chunk:
+        return _simulate_tree(drafter, step0, input_ids=input_ids, loss_mask=loss_mask, target_ids=target_ids,
+                              positions=positions, topk=topk, num_draft_tokens=num_draft_tokens, steps=steps)
+    parts = [_simulate_tree(drafter, step0, input_ids=input_ids, loss_mask=loss_mask, target_ids=target_ids,
+                            positions=positions & (rank >= a) & (rank < a + chunk), topk=topk,
+                            num_draft_tokens=num_draft_tokens, steps=steps) for a in range(0, width, chunk)]
+    sample = torch.cat([p.sample for p in parts])
+    position = torch.cat([p.position for p in parts])
+    order = torch.argsort(sample * seq + position)
+    return TreeResult(sample=sample[order], position=position[order],
+                      accepted=torch.cat([p.accepted for p in parts])[order],
+                      reason=torch.cat([p.reason for p in parts])[order])
+
+
+def _simulate_tree(
+    drafter: Eagle3Drafter,
+    step0: Step0,
+    *,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    target_ids: torch.Tensor,
+    positions: torch.Tensor,
+    topk: int,
+    num_draft_tokens: int,
+    steps: int,
+) -> TreeResult:
+    """simulate_tree over the positions given, all at once."""
     if topk < 1 or steps < 1:
         raise ValueError(f"simulate_tree: topk and steps must be >= 1, got topk={topk}, steps={steps}")
     n_cand = topk + (steps - 1) * topk * topk

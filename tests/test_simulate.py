@@ -251,6 +251,24 @@ def test_tree_matches_brute_force(drafter, case, topk, num_draft_tokens):
 
 
 @torch.no_grad()
+def test_tree_in_chunks_of_positions_equals_all_at_once(drafter, case):
+    """Bounded memory: positions simulated one (then three) at a time give the all-at-once results, in order."""
+    _, s0 = _chain(drafter, case)
+    kw = dict(input_ids=case["input_ids"], loss_mask=case["loss_mask"], target_ids=case["target_ids"],
+              positions=_positions(case), topk=2, num_draft_tokens=6, steps=STEPS)
+    whole = sim.simulate_tree(drafter, s0, **kw)
+    bsz, seq = case["input_ids"].shape
+    heads = drafter.midlayer.self_attn.num_heads
+    per_position = bsz * 2 * heads * seq * 4 * sim._SCORE_COPIES  # fp32 scores of topk 2 nodes, a few copies
+    for budget, chunk in ((1, 1), (3 * per_position, 3)):
+        assert sim.tree_chunk_positions(bsz, seq, heads, 2, budget) == chunk
+        parts = sim.simulate_tree(drafter, s0, max_score_bytes=budget, **kw)
+        for name in ("sample", "position", "accepted", "reason"):
+            assert torch.equal(getattr(parts, name), getattr(whole, name)), name
+    assert int(_positions(case).sum(1).max()) > 3  # so both budgets did split the rows
+
+
+@torch.no_grad()
 def test_tree_with_topk_1_is_the_chain(drafter, case):
     res, s0 = _chain(drafter, case)
     tres = sim.simulate_tree(drafter, s0, input_ids=case["input_ids"], loss_mask=case["loss_mask"],
