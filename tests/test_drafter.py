@@ -303,6 +303,31 @@ def test_custom_ttt_attention_backward_is_exact(block_rows):
             torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-8)
 
 
+@pytest.mark.parametrize("groups,hv", [(2, 4), (1, 3)])  # GQA; one group with MLA's narrower values
+def test_flex_ttt_attention_forward_equals_eager(groups, hv):
+    """The FlexAttention path (the fused GPU kernel, compiled on CUDA) computes the eager kernel's attention
+    with the TTT block mask: step 0 causal over real keys, every later step its diagonal. On a CPU FlexAttention
+    has no backward, so its gradients are held equal on a GPU (benchmarks/gpu_check.py) and training with it
+    here is refused."""
+    from core.drafter.ttt_attention import TTTCache, _eager_attention, _flex_attention
+
+    torch.manual_seed(2)
+    bsz, nkv, seq, hd = 2, 2, 40, 8
+    mask = torch.ones(bsz, seq, dtype=torch.long)
+    mask[1, 23:] = 0
+    q = torch.randn(bsz, nkv, groups, seq, hd, dtype=torch.float64)
+    ks = [torch.randn(bsz, nkv, seq, hd, dtype=torch.float64) for _ in range(4)]
+    vs = [torch.randn(bsz, nkv, seq, hv, dtype=torch.float64) for _ in range(4)]
+    real = mask.bool()[:, None, None, :, None]  # padded query rows are don't-care
+    for n in (1, 4):
+        cache = TTTCache(keys=list(ks[:n]), values=list(vs[:n]))
+        want = _eager_attention(q, cache, mask, block_rows=16, scale=0.3)
+        got = _flex_attention(q, cache, mask, scale=0.3)
+        torch.testing.assert_close(got * real, want * real, atol=1e-10, rtol=1e-8)
+    with pytest.raises(ValueError, match="flex' trains on CUDA only"):
+        _flex_attention(q.float().requires_grad_(), TTTCache(keys=[ks[0].float()], values=[vs[0].float()]), mask)
+
+
 def test_eager_ttt_attention_keeps_no_score_matrix():
     """Blocked over query rows, the eager kernel saves nothing of [T, T] size per head for the backward
     (the old kernel kept every step's probabilities: K x heads x T^2)."""

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from helpers_drafter import MLA_SERVING_KEYS
 from helpers_train import base_args, foreign_folder, make_dataset, make_target, read_metrics, run_main
 from safetensors.torch import load_file
@@ -64,6 +65,8 @@ def test_warm_start_from_an_mla_folder_needs_the_mla_kind(tiny, tmp_path):
     (["--drafter-attention", "mla", "--head_dim", "64"], "head_dim=64 is a GQA size but drafter_attention is mla"),
     (["--drafter-attention", "mla", "--num_key_value_heads", "2"], "num_key_value_heads=2 is a GQA size"),
     (["--drafter-attention", "flash"], "drafter_attention='flash' is not one of"),
+    pytest.param(["--attention-impl", "flex"], "attention_impl=flex: FlexAttention trains on CUDA only",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="refused where there is no CUDA")),
 ])
 def test_mixed_kinds_are_refused_before_training(extra, pattern):
     with pytest.raises(ConfigError, match=pattern):

@@ -117,6 +117,13 @@ class TrainConfig:
         "DeepSeek-V3's); with init_from it must be the init drafter's kind",
         choices=("gqa", "mla"),
     )
+    attention_impl: str = _f(
+        "eager",
+        "the TTT attention kernel: eager (blocked, hand-written backward; the CPU default and the reference), sdpa "
+        "(torch SDPA with the TTT mask as a boolean tensor) or flex (FlexAttention with the TTT block mask, "
+        "compiled: the fused GPU path; CUDA only). Same math, held equal in tests",
+        choices=("eager", "sdpa", "flex"),
+    )
     hidden_size: int | None = _f(None, "drafter hidden size (default: the target's)")
     num_attention_heads: int | None = _f(None, "drafter attention heads (default: the target's)")
     num_key_value_heads: int | None = _f(None, "drafter KV heads (default: the target's)")
@@ -151,6 +158,12 @@ class TrainConfig:
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
                 raise ConfigError(f"{f.name}={getattr(self, f.name)!r} is not one of {choices}")
+        if self.attention_impl == "flex":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ConfigError("attention_impl=flex: FlexAttention trains on CUDA only (no backward on a CPU); "
+                                  "use eager (the default) or sdpa here")
         if not self.data:
             raise ConfigError("data is required (dataset folder with manifest.json): pass --data DIR")
         if not self.out:

@@ -146,7 +146,7 @@ def build_drafter(cfg: TrainConfig, reader: Any, resume_from: Path | None) -> Bu
     manifest = reader.manifest
     target_path = Path(cfg.target_path or manifest["target"]["path"])
     config, init_state = drafter_config(cfg, manifest, target_path)
-    drafter = Eagle3Drafter(config)
+    drafter = Eagle3Drafter(config, attention_impl=cfg.attention_impl)
     embed_keys, head_keys = weight_key_candidates(json.loads((target_path / "config.json").read_text()))
     drafter.load_target_embedding(target_path, embed_keys)
     drafter.embed_tokens.weight.requires_grad_(False)

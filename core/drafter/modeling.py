@@ -219,9 +219,10 @@ class Eagle3Drafter(nn.Module):
     """One-layer EAGLE-3 drafter (Llama-style layer whose attention reads [embedding, hidden])."""
 
     def __init__(self, config: DrafterConfig, attention_impl: str = "eager") -> None:
-        """attention_impl: "eager" (explicit scores, SpecForge's sdpa-path math; the reference) or
+        """attention_impl: "eager" (explicit scores, SpecForge's sdpa-path math; the reference),
         "sdpa" (torch SDPA over the concatenated step keys with a [T, (k+1)T] mask: never holds
-        the [T, T] score matrix on GPU kernels that support masks; same math, other rounding)."""
+        the [T, T] score matrix on GPU kernels that support masks; same math, other rounding) or
+        "flex" (FlexAttention with the TTT block mask; fused on CUDA, forward only on a CPU)."""
         super().__init__()
         self.config = config
         c = config

@@ -3,10 +3,13 @@
 The first step's keys are attended causally (plus key padding); every later step adds only its
 own same-position ("diagonal") key. That is also the pattern of chain drafting in an engine (the
 drafter's keys for positions <= t come from the target's features, the later ones are its own),
-so training and offline evaluation share this code. Two implementations of the same math:
+so training and offline evaluation share this code. Three implementations of the same math:
 ``eager`` (a hand-written autograd kernel over blocks of query rows, the reference numerics; it
-keeps no [T, T] scores for the backward) and ``sdpa`` (torch SDPA over the concatenated step keys,
-for GPU kernels that take masks).
+keeps no [T, T] scores for the backward; the CPU default), ``sdpa`` (torch SDPA over the concatenated
+step keys with a boolean [T, (k+1)T] mask, for GPU kernels that take masks) and ``flex`` (FlexAttention
+over the same keys with the TTT pattern as a block mask: the causal step-0 keys and each later step's
+diagonal, so the kernel skips the blocks nothing sees; compiled on CUDA, where it is fused forward and
+backward; on a CPU it runs forward only, for tests).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-ATTENTION_IMPLS = ("eager", "sdpa")
+ATTENTION_IMPLS = ("eager", "sdpa", "flex")
 
 
 def default_scale(head_dim: int) -> float:
@@ -76,6 +79,8 @@ def ttt_attention(
     cache.values.append(v.transpose(1, 2))
     if impl == "sdpa":
         out = _sdpa_attention(qh, cache, attention_mask, scale=scale)
+    elif impl == "flex":
+        out = _flex_attention(qh, cache, attention_mask, scale=scale)
     else:
         out = _eager_attention(qh, cache, attention_mask, scale=scale)
     return out.permute(0, 3, 1, 2, 4).reshape(bsz, seq, -1)
@@ -279,4 +284,45 @@ def _sdpa_attention(
         q.reshape(bsz, nkv * groups, seq, hd), keys, values, attn_mask=allowed[:, None],
         scale=default_scale(hd) if scale is None else float(scale),
     )
+    return out.view(bsz, nkv, groups, seq, values.shape[-1])
+
+
+_COMPILED_FLEX: Any = None
+
+
+def _flex_kernel(device: torch.device) -> Any:
+    """FlexAttention, compiled once on CUDA (its fused kernel); the uncompiled reference elsewhere."""
+    global _COMPILED_FLEX
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device.type != "cuda":
+        return flex_attention
+    if _COMPILED_FLEX is None:
+        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
+    return _COMPILED_FLEX
+
+
+def _flex_attention(
+    q: torch.Tensor, cache: TTTCache, attention_mask: torch.Tensor | None, *, scale: float | None = None
+) -> torch.Tensor:
+    """Same attention as _eager_attention via FlexAttention over [k0 | k1 | ... | kk] with the TTT block mask."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    bsz, nkv, groups, seq, hd = q.shape
+    if q.requires_grad and q.device.type != "cuda":
+        raise ValueError("attention_impl 'flex' trains on CUDA only (FlexAttention has no backward on a CPU); use "
+                         "eager or sdpa here")
+    steps = len(cache.keys)
+    real = (torch.ones(bsz, seq, dtype=torch.bool, device=q.device) if attention_mask is None
+            else attention_mask.to(device=q.device, dtype=torch.bool))
+
+    def ttt_mask(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        step, pos = kv_idx // seq, kv_idx % seq
+        return ((step == 0) & (pos <= q_idx) & real[b, pos]) | ((step > 0) & (pos == q_idx))
+
+    block_mask = create_block_mask(ttt_mask, bsz, None, seq, steps * seq, device=q.device)
+    keys = torch.cat(cache.keys, dim=2)  # [B, n_kv, steps*T, hd]: GQA groups read in place (enable_gqa)
+    values = torch.cat(cache.values, dim=2)
+    out = _flex_kernel(q.device)(q.reshape(bsz, nkv * groups, seq, hd), keys, values, block_mask=block_mask,
+                                 scale=default_scale(hd) if scale is None else float(scale), enable_gqa=groups > 1)
     return out.view(bsz, nkv, groups, seq, values.shape[-1])
