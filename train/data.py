@@ -22,6 +22,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch.utils.data import DataLoader, Dataset
 
 from core.batching import pack_sorted
@@ -180,6 +181,16 @@ class DistributedBucketSampler:
 # ----------------------------------------------------------------------------- tensors
 
 
+def stored_loader(dataset: Dataset, batches: list[list[int]], num_workers: int, max_length: int) -> DataLoader:
+    """Batches of stored rows (``core.dataset.stored``), pinned when a GPU will take them, so the trainer's
+    ``batch.to(device)`` copies without blocking and decodes on the device."""
+    from core.dataset.stored import collate_stored
+
+    return DataLoader(dataset, batch_sampler=batches, num_workers=num_workers,
+                      collate_fn=functools.partial(collate_stored, max_length=max_length),
+                      pin_memory=torch.cuda.is_available())
+
+
 class FeatureDataset(Dataset):
     """Map-style view of a DatasetReader so a DataLoader (and its workers) can fetch samples."""
 
@@ -190,7 +201,7 @@ class FeatureDataset(Dataset):
         return len(self.reader)
 
     def __getitem__(self, i: int) -> Any:
-        return self.reader.get(int(i))
+        return self.reader.get_stored(int(i))  # decoded on the device (core.dataset.stored)
 
 
 # ----------------------------------------------------------------------------- the training data, built
@@ -224,10 +235,7 @@ class TrainData:
         yield self.sampler.remaining(state)
 
     def loader(self, batches: list[list[int]]) -> DataLoader:
-        from core.dataset.batch import collate
-
-        return DataLoader(FeatureDataset(self.reader), batch_sampler=batches, num_workers=self.num_workers,
-                          collate_fn=functools.partial(collate, max_length=self.max_length))
+        return stored_loader(FeatureDataset(self.reader), batches, self.num_workers, self.max_length)
 
     def val_batches(self) -> list[list[int]]:
         return self.val_sampler.rank_batches(0)

@@ -83,7 +83,7 @@ class WindowDataset(Dataset):
 
     def __getitem__(self, key: int) -> Any:
         shard, row = divmod(int(key), KEY_STRIDE)
-        return self.groups[shard // self.group_shards].reader.get(self._row0[shard] + row)
+        return self.groups[shard // self.group_shards].reader.get_stored(self._row0[shard] + row)
 
 
 @dataclass
@@ -254,15 +254,10 @@ class StreamSource:
                 del self._groups[k]
 
     def loader(self, batches: list[list[int]]) -> Any:
-        import functools
+        from train.data import stored_loader
 
-        from torch.utils.data import DataLoader
-
-        from core.dataset.batch import collate
-
-        return DataLoader(WindowDataset(dict(self._groups), self.group_shards), batch_sampler=batches,
-                          num_workers=self.cfg.num_workers,
-                          collate_fn=functools.partial(collate, max_length=self.cfg.max_length))
+        return stored_loader(WindowDataset(dict(self._groups), self.group_shards), batches, self.cfg.num_workers,
+                             self.cfg.max_length)
 
     # --------------------------------------------------------------------------------------- consumption
 

@@ -2,7 +2,8 @@
 
 Datasets are far larger than memory, so the index is built from each shard's header,
 ``sample_offsets`` and metadata only, and :meth:`DatasetReader.get` slices one sample's rows
-out of the memory-mapped file.
+out of the memory-mapped file (decoded to fp32: evaluation); :meth:`DatasetReader.get_stored` leaves them as
+stored, for the training loader to decode on the device (``core.dataset.stored``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from core.dataset.format import (
     teacher_kinds,
 )
 from core.dataset.fp8 import decode_hidden
+from core.dataset.stored import StoredSample, stored_problems
 
 
 class DatasetReader:
@@ -174,6 +176,30 @@ class DatasetReader:
             truncated=self.truncated[i],
         )
         self._check_values(sample, hdr.path, a, b)
+        return sample
+
+    def get_stored(self, i: int) -> StoredSample:
+        """Sample `i` as stored (no decoding: the training loader decodes on the device), checked on its stored
+        bytes for what the writer refuses (``core.dataset.stored.stored_problems``)."""
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"sample index {i} out of range for {len(self)} samples")
+        i %= len(self)
+        si, a, b = self._loc[i]
+        hdr = self._headers[si]
+        f = self._handle(si)
+
+        def rows(key: str) -> torch.Tensor | None:
+            return f.get_slice(key)[a:b] if key in hdr.shapes else None
+
+        sample = StoredSample(
+            sample_id=self.sample_ids[i], input_ids=rows("input_ids"), loss_mask=rows("loss_mask"),
+            aux_hidden=rows("aux_hidden"), aux_scale=rows("aux_scale"), topk_ids=rows("topk_ids"),
+            topk_logprobs=rows("topk_logprobs"), last_hidden=rows("last_hidden"), last_scale=rows("last_scale"))
+        problems = stored_problems(sample, self.vocab_size)
+        if problems:
+            fix = "--deep " if any(p.startswith("non-finite") for p in problems) else ""
+            raise DatasetError(f"{hdr.path}: sample {sample.sample_id!r} (rows {a}..{b}): {'; '.join(problems)}; "
+                               f"run python -m extract.verify {fix}on the dataset")
         return sample
 
     def _check_values(self, s: SampleFeatures, path: Path, a: int, b: int) -> None:
