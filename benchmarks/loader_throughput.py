@@ -95,18 +95,19 @@ def _measure(reader: DatasetReader, batches: list[list[int]], stored: bool) -> d
             "cpu_s_per_mtok": cpu / tokens * 1e6}
 
 
-def drafter_flops_per_token(seq: int, ttt_steps: int) -> dict:
-    """FLOPs one training token costs the Kimi MLA drafter: 2 x weights per matmul pass (fc once; the layer and
-    lm_head at every TTT step), the attention's q.k and p.v over the mean causal context, x3 for backward."""
+def drafter_flops_per_token(seq: int, ttt_steps: int, cfg: dict = DRAFTER) -> dict:
+    """FLOPs one training token costs an MLA drafter (default: Kimi-K2.5's): 2 x weights per matmul pass (fc once;
+    the layer and lm_head at every TTT step), the attention's q.k and p.v over the mean causal context, x3 for
+    backward."""
     from core.drafter.config import DrafterConfig
     from core.drafter.modeling import Eagle3Drafter
 
     with torch.device("meta"):
-        d = Eagle3Drafter(DrafterConfig(**DRAFTER, torch_dtype="bfloat16"))
+        d = Eagle3Drafter(DrafterConfig(**cfg, torch_dtype="bfloat16"))
     fc = d.fc.weight.numel()
     layer = sum(p.numel() for p in d.midlayer.parameters())
     head = d.lm_head.weight.numel()
-    heads, qk, v = DRAFTER["num_attention_heads"], DRAFTER["head_dim"], DRAFTER["v_head_dim"]
+    heads, qk, v = cfg["num_attention_heads"], cfg["head_dim"], cfg["v_head_dim"]
     context = seq / 2 + ttt_steps / 2  # mean step-0 keys seen, plus the diagonal keys
     attention = 2 * heads * (qk + v) * context
     forward = 2 * fc + ttt_steps * (2 * (layer + head) + attention)
