@@ -59,9 +59,9 @@ DENSE = 4096  # every position below this is compared
 STRIDED = 256  # and this many evenly spaced ones up to the engine's last row
 
 # Where the rope keys of the field's targets come from (published config.json values).
-K25 = {"rope_type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
-       "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
-K2_THINKING = {**K25, "beta_fast": 1.0, "beta_slow": 1.0}
+K25 = {"rope_type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096, "beta_fast": 1.0,
+       "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}  # Kimi-K2.5 and the K2 family, as published
+YARN64_BETA32 = {**K25, "beta_fast": 32.0}  # the same with YaRN's default beta_fast (transformers fills it in)
 DSV3 = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
         "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
 DSV2 = {**DSV3, "mscale": 0.707, "mscale_all_dim": 0.707}
@@ -95,8 +95,8 @@ CASES: tuple[RopeCase, ...] = (
     RopeCase("llama3", "gqa", 500000.0, LLAMA31, 131072, "Llama-3.1"),
     RopeCase("yarn", "gqa", 1000000.0, QWEN_YARN, 131072, "Qwen2.5/Qwen3 YaRN x4"),
     RopeCase("yarn-truncate-false", "gqa", 150000.0, GPT_OSS, 131072, "gpt-oss"),
-    RopeCase("yarn-mscale-both", "gqa", 50000.0, K25, 262144, "Kimi-K2.5 (text_config)"),
-    RopeCase("yarn-mscale-both-beta1", "gqa", 50000.0, K2_THINKING, 262144, "Kimi-K2-Thinking"),
+    RopeCase("yarn-mscale-both", "gqa", 50000.0, YARN64_BETA32, 262144, "YaRN x64, both mscales, beta_fast 32"),
+    RopeCase("yarn-mscale-both-beta1", "gqa", 50000.0, K25, 262144, "Kimi-K2.5 / K2 family"),
     RopeCase("yarn-mscale-0.707", "gqa", 10000.0, DSV2, 163840, "DeepSeek-V2"),
     RopeCase("yarn-mscale-all-dim-0", "gqa", 1000000.0, MISTRAL_M35, 262144, "Mistral-Medium-3.5"),
     RopeCase("yarn-mscale-only", "gqa", 10000.0, {**DSV3, "mscale": 0.707} | {"mscale_all_dim": None}, 163840,
@@ -109,8 +109,8 @@ CASES: tuple[RopeCase, ...] = (
     RopeCase("yarn-no-original-export-longer", "gqa", 1000000.0, {"rope_type": "yarn", "factor": 4.0}, 32768,
              "YaRN without original_max_position_embeddings, exported for a 131,072-token target", 131072),
     RopeCase("default", "mla", 10000.0, None, 8192, "DeepSeek-V2-Lite without scaling"),
-    RopeCase("yarn-mscale-both", "mla", 50000.0, K25, 262144, "Kimi-K2.5 (text_config)"),
-    RopeCase("yarn-mscale-both-beta1", "mla", 50000.0, K2_THINKING, 262144, "Kimi-K2-Thinking"),
+    RopeCase("yarn-mscale-both", "mla", 50000.0, YARN64_BETA32, 262144, "YaRN x64, both mscales, beta_fast 32"),
+    RopeCase("yarn-mscale-both-beta1", "mla", 50000.0, K25, 262144, "Kimi-K2.5 / K2 family"),
     RopeCase("yarn-dsv3", "mla", 10000.0, DSV3, 163840, "DeepSeek-V3"),
     RopeCase("yarn-mscale-0.707", "mla", 10000.0, DSV2, 163840, "DeepSeek-V2"),
     RopeCase("yarn", "mla", 1000000.0, QWEN_YARN, 131072, "YaRN without mscale keys"),

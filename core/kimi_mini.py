@@ -67,11 +67,11 @@ KIMI_K25_SOURCE = (
 # The architecture
 # ---------------------------------------------------------------------------------------------------------
 
-KIMI_ROPE_SCALING: dict[str, Any] = {
+KIMI_ROPE_SCALING: dict[str, Any] = {  # Kimi's published rope_scaling (K2 family, factor 64): beta_fast = beta_slow = 1
     "type": "yarn",
     "factor": 64.0,
     "original_max_position_embeddings": 4096,
-    "beta_fast": 32.0,
+    "beta_fast": 1.0,
     "beta_slow": 1.0,
     "mscale": 1.0,
     "mscale_all_dim": 1.0,
@@ -128,6 +128,20 @@ KIMI_K25_SHRUNK: dict[str, tuple[int, int]] = {
     "n_routed_experts": (384, 16),
     "num_experts_per_tok": (8, 4),
     "q_lora_rank": (1536, 256),
+}
+
+
+# Every other deliberate deviation from Kimi-K2.5, by what differs (the README lists the same):
+KIMI_K25_DEVIATIONS: dict[str, str] = {
+    "sizes": "widths, depth, heads, expert counts and q_lora_rank are shrunk (KIMI_K25_SHRUNK: Kimi's value, the "
+             "miniature's)",
+    "architectures / model_type": "a text-only DeepseekV3ForCausalLM / deepseek_v3; Kimi-K2.5 is "
+                                  "KimiK25ForConditionalGeneration / kimi_k25 with the text model nested (model_type "
+                                  "kimi_k2); write_wrapped() writes that served layout",
+    "vision": "no vision tower or media encoder (the drafter sees only the text model)",
+    "tokenizer": "SmolLM2's byte-level BPE for text (49,163 of 163,840 ids) with Kimi-K2.5's special tokens at its "
+                 "ids; Kimi's tiktoken tokenizer is remote code that cannot be had offline",
+    "weights": "float32, a few minutes of training on 120 chitchat openings; Kimi-K2.5 publishes quantised weights",
 }
 
 
