@@ -523,6 +523,8 @@ def _run(cfg: ExtractConfig, clock: StageClock, start: float) -> ExtractSummary:
                 log.warning("decontamination dropped every record: are the inputs the evaluation set?")
         log.info("read %d records from %d input(s); skipped %s", len(records), len(inputs),
                  dict(parsed.skipped) or "none")
+        if not records:
+            raise ConfigError(no_records_problem(cfg, parsed.skipped))
         target_path = resolve_target(cfg.target)
         if cfg.backend == "sglang":  # what SGLang would refuse after minutes of start-up, before anything is written
             from extract.backends.sglang import preflight
@@ -532,11 +534,23 @@ def _run(cfg: ExtractConfig, clock: StageClock, start: float) -> ExtractSummary:
         engines = engines or _Engines(cfg, target_path)
         out.mkdir(parents=True, exist_ok=True)
         summary = _extract(cfg, out, target_path, inputs, parsed, engines, written, clock, start, decon)
+        summary.skipped.update(parsed.skipped)  # records left out when read, beside the samples left out in shards
         summary.decontamination = decon.describe() if decon is not None else None
         return summary
     finally:
         if engines is not None:
             engines.close()
+
+
+def no_records_problem(cfg: ExtractConfig, skipped: Counter) -> str:
+    """Why an extraction has nothing to extract, by the reasons its records were left out."""
+    counts = ", ".join(f"{reason}: {n}" for reason, n in sorted(skipped.items())) or "the inputs hold no record"
+    hint = ""
+    if skipped.get("no_assistant_turn"):
+        hint = ("; prompt-only records (no assistant turn) need --regenerate, so that the target answers them")
+    elif skipped.get(EVAL_OVERLAP):
+        hint = "; decontamination dropped them (are the inputs the evaluation set?)"
+    return f"data {', '.join(cfg.data)}: no record to extract, so no sample would be written ({counts}){hint}"
 
 
 def _extract(cfg: ExtractConfig, out: Path, target_path: Path, inputs: list[Path], parsed: Any, engines: _Engines,

@@ -1,0 +1,31 @@
+"""An extraction that would write no sample is refused up front, with the reason, and writes nothing."""
+
+from __future__ import annotations
+
+import json
+
+from helpers_faults import extract_args
+from helpers_models import make_tiny_llama
+
+from extract.__main__ import main as extract_main
+
+
+def test_prompt_only_records_without_regenerate_are_refused_by_reason(tmp_path, caplog):
+    target = make_tiny_llama(tmp_path / "target", num_layers=4)
+    out = tmp_path / "ds"
+    assert extract_main(extract_args(target, "mtbench", out)) == 2  # MT-bench holds prompts only
+    (line,) = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert "data mtbench: no record to extract" in line and "no_assistant_turn: 80" in line
+    assert "need --regenerate" in line
+    assert not out.exists()  # nothing written half-way
+
+
+def test_an_input_with_no_record_is_refused(tmp_path, caplog):
+    target = make_tiny_llama(tmp_path / "target", num_layers=4)
+    data = tmp_path / "bad.jsonl"
+    data.write_text(json.dumps({"conversations": []}) + "\n" + "not json\n")
+    out = tmp_path / "ds"
+    assert extract_main(extract_args(target, data, out)) == 2
+    (line,) = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert f"data {data}: no record to extract" in line and "empty_conversation: 1" in line
+    assert not out.exists()
