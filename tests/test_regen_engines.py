@@ -267,7 +267,7 @@ def test_regen_options_are_checked(tmp_path):
         ExtractConfig(target="t", data=["d"], out="o", regenerate=True, regen_backend="server").validate()
     with pytest.raises(ConfigError, match="regen_concurrency: must be >= 1"):
         ExtractConfig(target="t", data=["d"], out="o", regen_concurrency=0).validate()
-    with pytest.raises(SystemExit):
+    with pytest.raises(ConfigError, match=r"argument --regen-backend: invalid choice: 'tgi'"):
         parse_args(["--target", "t", "--data", "d", "--out", "o", "--regen-backend", "tgi"])
     cfg = parse_args(["--target", "t", "--data", "d", "--out", "o", "--regenerate", "--regen-backend", "server",
                       "--regen-url", "http://h:30000", "--regen-concurrency", "8"])

@@ -65,9 +65,9 @@ def _cfg(world, out: Path, **kw) -> ExtractConfig:
 
 
 def _dataset_files(root: Path) -> dict[str, bytes]:
-    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*"))
-            if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts)
-            and p.name not in ("plan.json", "header.json")}
+    from helpers_faults import dataset_files  # the dataset's bytes: no bookkeeping (plan, header, records)
+
+    return dataset_files(root)
 
 
 def _data_bytes(path: Path) -> int:
@@ -146,5 +146,5 @@ def test_shard_bytes_flag_takes_units():
     assert parse_args([*args, "--shard-bytes", "2GiB"]).shard_bytes == 2 << 30
     assert parse_args([*args, "--shard-bytes", "500M"]).shard_bytes == 500_000_000
     assert parse_args(args).shard_bytes == 4 << 30
-    with pytest.raises(SystemExit):
+    with pytest.raises(ConfigError, match=r"^shard_bytes='lots': not a size in bytes"):
         parse_args([*args, "--shard-bytes", "lots"])

@@ -64,7 +64,7 @@ def test_warm_start_from_an_mla_folder_needs_the_mla_kind(tiny, tmp_path):
     (["--kv_lora_rank", "512"], "kv_lora_rank=512 is an MLA size but drafter_attention is gqa"),
     (["--drafter-attention", "mla", "--head_dim", "64"], "head_dim=64 is a GQA size but drafter_attention is mla"),
     (["--drafter-attention", "mla", "--num_key_value_heads", "2"], "num_key_value_heads=2 is a GQA size"),
-    (["--drafter-attention", "flash"], "drafter_attention='flash' is not one of"),
+    (["--drafter-attention", "flash"], "argument --drafter-attention: invalid choice: 'flash'"),
     pytest.param(["--attention-impl", "flex"], "attention_impl=flex: FlexAttention trains on CUDA only",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="refused where there is no CUDA")),
 ])

@@ -422,10 +422,7 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    from core.drafter.folder import CheckpointError
+    from core.cli import run
 
-    try:
-        main()
-    except CheckpointError as e:  # a second trainer on OUT, a checkpoint that does not fit: one line, exit 2
-        logging.getLogger("train").error("%s", e)
-        sys.exit(2)
+    # a bad option, dataset or checkpoint (a second trainer on OUT included): one line, exit 2 (core.cli)
+    sys.exit(run(main, logging.getLogger("train")))
