@@ -148,7 +148,9 @@ def build_parser(cls: type, *, prog: str, description: str, epilog: str | None =
         if meta.get("metavar"):
             kw["metavar"] = meta["metavar"]
         if meta.get("positional"):
-            action = group.add_argument(f.name, nargs=None if default is MISSING else "?", **kw)
+            many = typing.get_origin(hint) is list
+            nargs = ("+" if default is MISSING else "*") if many else (None if default is MISSING else "?")
+            action = group.add_argument(f.name, nargs=nargs, **kw)
             action.shown_default = _show(default)  # type: ignore[attr-defined]
             continue
         flag = "--" + f.name.replace("_", "-")

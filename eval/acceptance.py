@@ -55,11 +55,12 @@ import torch
 if __package__ in (None, ""):  # run as a script path: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from core import options  # noqa: E402
 from core.atomic import atomic_write_text  # noqa: E402
-from core.config import ConfigError, parse_args_with_config  # noqa: E402
 from core.dataset.batch import collate  # noqa: E402
 from core.dataset.reader import DatasetReader  # noqa: E402
 from core.layers import ENGINES  # noqa: E402
+from core.options import option  # noqa: E402
 from eval import engine_walk as walk  # noqa: E402
 from eval import simulate as sim  # noqa: E402
 from eval.acceptance_report import format_markdown, format_table, write_plot  # noqa: E402
@@ -401,58 +402,64 @@ def _names(paths: Sequence[str]) -> list[str]:
 # ----------------------------------------------------------------------------- CLI
 
 
+@dataclass(kw_only=True)
+class AcceptanceOptions:
+    """The options of python -m eval.acceptance (core.options: --help, YAML keys and values)."""
+
+    checkpoints: list[str] = option(help="run folder (uses its 'latest'), step-XXXXXXX folder, or SGLang/SpecForge "
+                                         "drafter folder; several side by side", group="inputs", positional=True,
+                                    metavar="CKPT")
+    data: str = option(help="dataset folder written by `python -m extract`", group="inputs")
+    split: str = option("val", "val: the held-out ids recorded at training (intersection over checkpoints); all: "
+                               "every sample", group="inputs", choices=("val", "all"))
+    max_samples: int = option(0, "evaluate only the first N selected samples (0 = all)", group="inputs")
+    target: str | None = option(None, "target model folder (for the input embedding / lm_head); default: the "
+                                      "manifest's target.path", group="inputs")
+    teacher: str = option("auto", "which stored teacher gives the target's argmax/distribution (auto: topk if "
+                                  "stored)", group="inputs", choices=("auto", "topk", "last_hidden"))
+    steps: int = option(7, "draft steps K (chain length / tree depth)", group="speculation")
+    topk: int = option(1, "SGLang --speculative-eagle-topk; 1 = chain", group="speculation")
+    num_draft_tokens: int | None = option(None, "SGLang --speculative-num-draft-tokens (tree budget incl. the root); "
+                                                "topk 1 forces steps+1", group="speculation")
+    temperature: float = option(0.0, "0 = greedy: the engine walk, exact where the data is the target's greedy "
+                                     "output; > 0 = expected acceptance per position (target-only verification of "
+                                     "greedy drafts)", group="speculation")
+    engine: str | None = option(None, "whose rules and counters (default: vllm for chains, sglang for trees): "
+                                      "sglang adds its per-request meta_info accept length (completion tokens / "
+                                      "verify rounds) and is the only tree rule simulated (SGLang's dynamic top-k "
+                                      "tree and draft KV slots)", group="speculation", choices=ENGINES)
+    rejection_sampling: bool = option(False, "T > 0: the opt-in speculative-sampling rule sum min(p, q) (vLLM "
+                                             "draft_sample_method=probabilistic, SGLang "
+                                             "--speculative-use-rejection-sampling) instead of the default "
+                                             "target-only rule p_T(draft)", group="speculation")
+    max_new_tokens: int = option(0, "the engine's max_tokens: the walk stops after this many answer tokens (0 = at "
+                                    "the end of each stored answer)", group="speculation")
+    batch_tokens: int = option(8192, "padded tokens (B x T_max) per batch; attention memory grows with B x T^2",
+                               group="compute")
+    tree_positions: int = option(64, "trees only: the per-position diagnostic uses at most N evenly spaced "
+                                     "drafting positions per sample (0 = all); the engine walk uses the positions "
+                                     "it visits", group="compute")
+    device: str = option("cpu", "cpu or cuda[:i]", group="compute")
+    dtype: str = option("fp32", "drafter dtype", group="compute", choices=("fp32", "bf16"))
+    json: str | None = option(None, "write all metrics as JSON (a key per checkpoint)", group="output")
+    markdown: str | None = option(None, "write the table as Markdown", group="output")
+    plot: str | None = option(None, "write a PNG: acceptance per draft position and tau against steps",
+                              group="output")
+    no_progress: bool = option(False, "hide the progress bar", group="output")
+
+
+PROG = "python -m eval.acceptance"
+DESCRIPTION = ("Offline acceptance length of EAGLE-3 drafters on a redraft dataset, in the engine's convention "
+               "(1 + accepted drafts / verify rounds over the positions an engine visits); the mean over every "
+               "drafting position is shown as a diagnostic. Several checkpoints side by side.")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m eval.acceptance",
-        description="Offline acceptance length of EAGLE-3 drafters on a redraft dataset, in the engine's "
-                    "convention (1 + accepted drafts / verify rounds over the positions an engine visits); the "
-                    "mean over every drafting position is shown as a diagnostic. Several checkpoints side by side.",
-    )
-    p.add_argument("checkpoints", nargs="+", metavar="CKPT",
-                   help="run folder (uses its 'latest'), step-XXXXXXX folder, or SGLang/SpecForge drafter folder")
-    p.add_argument("--data", required=True, help="dataset folder written by `python -m extract`")
-    p.add_argument("--steps", type=int, default=7, help="draft steps K (chain length / tree depth); default 7")
-    p.add_argument("--topk", type=int, default=1, help="SGLang --speculative-eagle-topk; 1 = chain (default)")
-    p.add_argument("--num-draft-tokens", type=int, default=None,
-                   help="SGLang --speculative-num-draft-tokens (tree budget incl. the root); topk 1 forces steps+1")
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="0 = greedy: the engine walk, exact where the data is the target's greedy output; > 0 = "
-                        "expected acceptance per position (target-only verification of greedy drafts)")
-    p.add_argument("--engine", choices=ENGINES, default=None,
-                   help="whose rules and counters (default: vllm for chains, sglang for trees): sglang adds its "
-                        "per-request meta_info accept length (completion tokens / verify rounds) and is the only "
-                        "tree rule simulated (SGLang's dynamic top-k tree and draft KV slots)"),
-    p.add_argument("--rejection-sampling", action="store_true",
-                   help="T > 0: the opt-in speculative-sampling rule sum min(p, q) (vLLM draft_sample_method="
-                        "probabilistic, SGLang --speculative-use-rejection-sampling) instead of the default "
-                        "target-only rule p_T(draft)")
-    p.add_argument("--max-new-tokens", type=int, default=0,
-                   help="the engine's max_tokens: the walk stops after this many answer tokens (0 = at the end of "
-                        "each stored answer)")
-    p.add_argument("--split", choices=("val", "all"), default="val",
-                   help="val (default): the held-out ids recorded at training (intersection over checkpoints); "
-                        "all: every sample")
-    p.add_argument("--max-samples", type=int, default=0, help="evaluate only the first N selected samples (0 = all)")
-    p.add_argument("--target", default=None,
-                   help="target model folder (for the input embedding / lm_head); default: the manifest's target.path")
-    p.add_argument("--teacher", choices=("auto", "topk", "last_hidden"), default="auto",
-                   help="which stored teacher gives the target's argmax/distribution (auto: topk if stored)")
-    p.add_argument("--batch-tokens", type=int, default=8192,
-                   help="padded tokens (B x T_max) per batch; attention memory grows with B x T^2")
-    p.add_argument("--tree-positions", type=int, default=64,
-                   help="trees only: the per-position diagnostic uses at most N evenly spaced drafting positions "
-                        "per sample (0 = all); the engine walk uses the positions it visits")
-    p.add_argument("--json", default=None, help="write all metrics as JSON (a key per checkpoint)")
-    p.add_argument("--markdown", default=None, help="write the table as Markdown")
-    p.add_argument("--plot", default=None, help="write a PNG: acceptance per draft position and tau against steps")
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
-    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="drafter dtype (fp32 default)")
-    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    return p
+    return options.build_parser(AcceptanceOptions, prog=PROG, description=DESCRIPTION)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    args = parse_args_with_config(build_parser(), argv)
+    args = options.parse(AcceptanceOptions, argv, prog=PROG, description=DESCRIPTION)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = Settings(args.steps, args.topk, args.num_draft_tokens, args.temperature, args.batch_tokens,
@@ -496,8 +503,6 @@ def _json_default(x: Any) -> Any:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (AcceptanceError, ConfigError) as e:
-        logging.getLogger(__name__).error("%s", e)
-        sys.exit(2)
+    from core.cli import run
+
+    sys.exit(run(main, logging.getLogger("eval.acceptance"), (AcceptanceError,)))

@@ -6,7 +6,8 @@ import re
 
 import pytest
 
-from core.config import hyphenate_flags, parse_args_with_config, parse_hyphenated
+from core.config import hyphenate_flags, parse_hyphenated
+from core.options import parse
 
 PARSERS = {
     "python -m extract": "extract.config",
@@ -38,7 +39,6 @@ def test_hyphenate_flags_leaves_values_and_positionals_alone():
 
 
 def test_underscore_spelling_is_accepted_everywhere(tmp_path):
-    from eval.acceptance import build_parser as acceptance_parser
     from eval.verify_engine import build_parser as verify_engine_parser
     from extract.config import parse_args as extract_args
     from train.config import load_config
@@ -47,9 +47,11 @@ def test_underscore_spelling_is_accepted_everywhere(tmp_path):
     assert (cfg.max_new_tokens, cfg.max_user_turns) == (5, 2)
     train = load_config(None, ["--data", "d", "--out", "o", "--max_steps", "3", "--ttt-steps", "4"])
     assert (train.max_steps, train.ttt_steps) == (3, 4)
-    acc = parse_args_with_config(acceptance_parser(), ["ckpt", "--data", "d", "--num_draft_tokens", "6",
-                                                       "--batch-tokens", "9"])
-    assert (acc.num_draft_tokens, acc.batch_tokens) == (6, 9)
+    from eval.acceptance import DESCRIPTION, PROG, AcceptanceOptions
+
+    acc = parse(AcceptanceOptions, ["ckpt", "--data", "d", "--num_draft_tokens", "6", "--batch-tokens", "9"],
+                prog=PROG, description=DESCRIPTION)
+    assert (acc.num_draft_tokens, acc.batch_tokens, acc.checkpoints) == (6, 9, ["ckpt"])
     ve = parse_hyphenated(verify_engine_parser(), ["folder", "--engine", "vllm", "--context_length", "64"])
     assert ve.context_length == 64
     from eval.online import build_parser as online_parser
