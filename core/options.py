@@ -29,11 +29,11 @@ _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
 def option(default: Any = MISSING, help: str = "", *, group: str = "options", choices: Sequence[Any] | None = None,
-           metavar: str | None = None, positional: bool = False) -> Any:
+           metavar: str | None = None, positional: bool = False, short: str | None = None) -> Any:
     """A dataclass field that is a command-line option (``default`` MISSING: required; declare the dataclass
     ``kw_only`` so that required options may follow optional ones)."""
     meta = {"help": help, "group": group, "choices": tuple(choices) if choices else None, "metavar": metavar,
-            "positional": positional}
+            "positional": positional, "short": short}
     if isinstance(default, (list, dict)):
         return dataclasses.field(default_factory=lambda d=default: type(d)(d), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -153,15 +153,15 @@ def build_parser(cls: type, *, prog: str, description: str, epilog: str | None =
             action = group.add_argument(f.name, nargs=nargs, **kw)
             action.shown_default = _show(default)  # type: ignore[attr-defined]
             continue
-        flag = "--" + f.name.replace("_", "-")
+        flags = [*([meta["short"]] if meta.get("short") else []), "--" + f.name.replace("_", "-")]
         if hint is bool:
-            action = group.add_argument(flag, nargs="?", const="true", metavar="BOOL", **kw)
+            action = group.add_argument(*flags, nargs="?", const="true", metavar="BOOL", **kw)
             group.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_const", const="false",
                                default=argparse.SUPPRESS, help=argparse.SUPPRESS)
         elif typing.get_origin(hint) is list:
-            action = group.add_argument(flag, action="append", **kw)
+            action = group.add_argument(*flags, action="append", **kw)
         else:
-            action = group.add_argument(flag, **kw)
+            action = group.add_argument(*flags, **kw)
         action.shown_default = _show(default)  # type: ignore[attr-defined]
     group = groups.get("config") or parser.add_argument_group("config")
     group.add_argument("--config", default=argparse.SUPPRESS, metavar="FILE.yaml",

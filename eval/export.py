@@ -33,7 +33,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from core.config import ConfigError, parse_args_with_config
+from core import options
+from core.config import ConfigError
 from core.drafter.config import DrafterConfig
 from core.drafter.folder import (
     REDRAFT_RECORD,
@@ -54,6 +55,7 @@ from core.drafter.serving_format import (
     torch_dtype_of,
 )
 from core.layers import to_engine_layer_ids
+from core.options import option
 from core.target_weights import text_config, weight_key_candidates
 
 log = logging.getLogger(__name__)
@@ -425,66 +427,75 @@ def export_checkpoint(ecfg: ExportConfig) -> ExportResult:
 # ----------------------------------------------------------------------------- CLI
 
 
+@dataclass(kw_only=True)
+class ExportOptions:
+    """The options of python -m eval.export (core.options); ``parse_args`` maps them onto an ExportConfig."""
+
+    ckpt: str = option(help="a redraft step-* folder, a run folder (its 'latest' is followed, else the newest "
+                            "step-*), or a foreign SGLang/SpecForge drafter folder (config.json + model.safetensors)",
+                       group="inputs", positional=True, metavar="CKPT")
+    out: str = option(help="folder to write (written under a temporary name, then renamed)", group="output",
+                      positional=True, metavar="OUT")
+    format: str = option(help="serving engine: decides the aux layer ids in config.json (they differ between "
+                              "engines for Llama-family targets), so serve OUT with this engine only",
+                         group="output", choices=FORMATS)
+    with_embedding: bool = option(False, "also write embed_tokens.weight read from the target (a standalone HF "
+                                         "folder); serving engines take the target's embedding anyway, so the "
+                                         "default leaves it out", group="output")
+    target: str | None = option(None, "target model folder: the embedding for --with-embedding, the --model-path of "
+                                      "the printed command, and the architecture/layer count of foreign inputs "
+                                      "(default: the training record's target_path, else the dataset manifest's "
+                                      "target.path)", group="inputs", metavar="PATH")
+    dtype: str | None = option(None, "float dtype of the written weights (default: the checkpoint's torch_dtype; "
+                                     "use fp32 for a bit-exact copy of fp32 training weights)", group="output",
+                               choices=sorted(DTYPES))
+    max_position_embeddings: int | None = option(None, "override the drafter's max_position_embeddings (default: "
+                                                       "the target's context length as recorded at training); "
+                                                       "SGLang refuses a drafter shorter than its target",
+                                                 group="output", metavar="N")
+    target_architecture: str | None = option(None, "target architecture, e.g. KimiK25ForConditionalGeneration or "
+                                                   "LlamaForCausalLM: how the config's layer ids are read (default: "
+                                                   "from --target's config.json)",
+                                             group="foreign inputs (no redraft.json)", metavar="A")
+    target_num_layers: int | None = option(None, "target decoder layers, for SGLang's default ids when the config "
+                                                 "names none (default: from --target's config.json)",
+                                           group="foreign inputs (no redraft.json)", metavar="L")
+    steps: int = option(3, "--speculative-num-steps / vLLM num_speculative_tokens", group="printed serving command",
+                        metavar="S")
+    topk: int = option(1, "--speculative-eagle-topk (1: chain drafting)", group="printed serving command",
+                       metavar="K")
+    num_draft_tokens: int | None = option(None, "--speculative-num-draft-tokens; with --topk 1 SGLang forces "
+                                                "steps + 1 (the default), with --topk > 1 it is required",
+                                          group="printed serving command", metavar="N")
+    tp: int = option(1, "tensor parallel size (Kimi-K2.5 needs 8)", group="printed serving command", metavar="T")
+    max_running_requests: int = option(128, "concurrent requests; always explicit because SGLang otherwise caps "
+                                            "speculative serving at 48", group="printed serving command",
+                                       metavar="R")
+    cuda_graph_max_bs: int | None = option(None, "largest CUDA-graph batch (default: --max-running-requests)",
+                                           group="printed serving command", metavar="B")
+    trust_remote_code: bool = option(False, "add --trust-remote-code (added anyway when the target's config.json "
+                                            "has auto_map)", group="printed serving command")
+    force: bool = option(False, "replace an existing non-empty OUT", group="output")
+    verify_with: str | None = option(None, "after writing OUT, load it with this engine's own loader (sglang or "
+                                           "vllm, installed in this environment) and fail on any parameter left "
+                                           "unwritten or key ignored", group="output", choices=FORMATS,
+                                     metavar="ENGINE")
+    quiet: bool = option(False, "log warnings only", group="output", short="-q")
+
+
+PROG = "python -m eval.export"
+DESCRIPTION = ("Export a drafter checkpoint to a folder SGLang or vLLM loads as is, and print the serving command. "
+               "Also imports a foreign SGLang/SpecForge drafter folder.")
+EPILOG = ("Example: python -m eval.export runs/demo OUT/drafter-sglang --format sglang --tp 8 "
+          "--max-running-requests 256")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m eval.export",
-        description="Export a drafter checkpoint to a folder SGLang or vLLM loads as is, and print the "
-                    "serving command. Also imports a foreign SGLang/SpecForge drafter folder.",
-        epilog="Example: python -m eval.export runs/demo OUT/drafter-sglang --format sglang --tp 8 "
-               "--max-running-requests 256",
-    )
-    p.add_argument("ckpt", metavar="CKPT",
-                   help="a redraft step-* folder, a run folder (its 'latest' is followed, else the newest step-*), "
-                        "or a foreign SGLang/SpecForge drafter folder (config.json + model.safetensors)")
-    p.add_argument("out", metavar="OUT", help="folder to write (written under a temporary name, then renamed)")
-    p.add_argument("--format", required=True, choices=FORMATS,
-                   help="serving engine: decides the aux layer ids in config.json (they differ between engines "
-                        "for Llama-family targets), so serve OUT with this engine only")
-    p.add_argument("--with-embedding", action="store_true",
-                   help="also write embed_tokens.weight read from the target (a standalone HF folder); serving "
-                        "engines take the target's embedding anyway, so the default leaves it out")
-    p.add_argument("--target", metavar="PATH",
-                   help="target model folder: the embedding for --with-embedding, the --model-path of the printed "
-                        "command, and the architecture/layer count of foreign inputs (default: the training "
-                        "record's target_path, else the dataset manifest's target.path)")
-    p.add_argument("--dtype", choices=sorted(DTYPES),
-                   help="float dtype of the written weights (default: the checkpoint's torch_dtype; use fp32 for a "
-                        "bit-exact copy of fp32 training weights)")
-    p.add_argument("--max-position-embeddings", type=int, metavar="N",
-                   help="override the drafter's max_position_embeddings (default: the target's context length as "
-                        "recorded at training); SGLang refuses a drafter shorter than its target")
-    g = p.add_argument_group("foreign inputs (no redraft.json)")
-    g.add_argument("--target-architecture", metavar="A",
-                   help="target architecture, e.g. KimiK25ForConditionalGeneration or LlamaForCausalLM: how the "
-                        "config's layer ids are read (default: from --target's config.json)")
-    g.add_argument("--target-num-layers", type=int, metavar="L",
-                   help="target decoder layers, for SGLang's default ids when the config names none "
-                        "(default: from --target's config.json)")
-    s = p.add_argument_group("printed serving command")
-    s.add_argument("--steps", type=int, default=3, metavar="S", help="--speculative-num-steps / vLLM num_speculative_tokens "
-                   "(default 3)")
-    s.add_argument("--topk", type=int, default=1, metavar="K", help="--speculative-eagle-topk (default 1: chain drafting)")
-    s.add_argument("--num-draft-tokens", type=int, metavar="N",
-                   help="--speculative-num-draft-tokens; with --topk 1 SGLang forces steps + 1 (the default), "
-                        "with --topk > 1 it is required")
-    s.add_argument("--tp", type=int, default=1, metavar="T", help="tensor parallel size (default 1; Kimi-K2.5 needs 8)")
-    s.add_argument("--max-running-requests", type=int, default=128, metavar="R",
-                   help="concurrent requests (default 128); always explicit because SGLang otherwise caps "
-                        "speculative serving at 48")
-    s.add_argument("--cuda-graph-max-bs", type=int, metavar="B",
-                   help="largest CUDA-graph batch (default: --max-running-requests)")
-    s.add_argument("--trust-remote-code", action="store_true",
-                   help="add --trust-remote-code (added anyway when the target's config.json has auto_map)")
-    p.add_argument("--force", action="store_true", help="replace an existing non-empty OUT")
-    p.add_argument("--verify-with", choices=FORMATS, metavar="ENGINE",
-                   help="after writing OUT, load it with this engine's own loader (sglang or vllm, installed in "
-                        "this environment) and fail on any parameter left unwritten or key ignored")
-    p.add_argument("-q", "--quiet", action="store_true", help="log warnings only")
-    return p
+    return options.build_parser(ExportOptions, prog=PROG, description=DESCRIPTION, epilog=EPILOG)
 
 
 def parse_args(argv: list[str]) -> ExportConfig:
-    a = parse_args_with_config(build_parser(), argv)
+    a = options.parse(ExportOptions, argv, prog=PROG, description=DESCRIPTION, epilog=EPILOG)
     plan = LaunchPlan(steps=a.steps, topk=a.topk, num_draft_tokens=a.num_draft_tokens, tp=a.tp,
                       max_running_requests=a.max_running_requests, cuda_graph_max_bs=a.cuda_graph_max_bs,
                       trust_remote_code=a.trust_remote_code)
