@@ -27,13 +27,18 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+
+from core import options
+from core.config import ConfigError
+from core.options import option
 
 ENGINES = ("sglang", "vllm")
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_one(engine: str, a: argparse.Namespace) -> int:
+def run_one(engine: str, a: VerifyEngineOptions) -> int:
     """One engine in this process: the report's table, warnings, and its VERDICT line."""
     from eval.loadcheck.check import SetupError, run_check
     from eval.loadcheck.folder import FolderError, read_folder
@@ -69,7 +74,7 @@ def run_one(engine: str, a: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
-def child_args(a: argparse.Namespace, engine: str) -> list[str]:
+def child_args(a: VerifyEngineOptions, engine: str) -> list[str]:
     """The command line of one engine's child process, rebuilt from the parsed options."""
     out = [a.folder, "--engine", engine]
     if a.target_config:
@@ -83,7 +88,7 @@ def child_args(a: argparse.Namespace, engine: str) -> list[str]:
     return out
 
 
-def run_both(a: argparse.Namespace) -> int:
+def run_both(a: VerifyEngineOptions) -> int:
     """Each engine in a child process; the combined verdict: ERROR if either could not run, else FAIL/PASS."""
     status: dict[str, str] = {}
     codes = []
@@ -100,16 +105,26 @@ def run_both(a: argparse.Namespace) -> int:
     return {"PASS": 0, "FAIL": 1}.get(overall, 2)
 
 
+@dataclass(kw_only=True)
+class VerifyEngineOptions:
+    """The options of python -m eval.verify_engine (core.options)."""
+
+    folder: str = option(help="drafter folder: config.json + model.safetensors", group="inputs", positional=True)
+    engine: str = option("both", "whose loader checks the folder", group="engine", choices=(*ENGINES, "both"))
+    target_config: str | None = option(None, "vLLM only: the target's config.json (default: synthesised from the "
+                                             "draft; a DeepSeek-V3-style MoE target for an MLA drafter)",
+                                       group="engine")
+    context_length: int | None = option(None, "behave like a target with this context length", group="engine",
+                                        metavar="N")
+    json: str | None = option(None, "the full report (per parameter and per key)", group="output", metavar="FILE")
+    verbose: bool = option(False, "show the engines' own output", group="output")
+
+
+PROG = "python -m eval.verify_engine"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m eval.verify_engine", description=__doc__.split("\n\n")[0])
-    p.add_argument("folder", help="drafter folder: config.json + model.safetensors")
-    p.add_argument("--engine", choices=(*ENGINES, "both"), default="both")
-    p.add_argument("--target-config", help="vLLM only: the target's config.json (default: synthesised from the "
-                                           "draft; a DeepSeek-V3-style MoE target for an MLA drafter)")
-    p.add_argument("--context-length", type=int, metavar="N", help="behave like a target with this context length")
-    p.add_argument("--json", metavar="FILE", help="the full report (per parameter and per key)")
-    p.add_argument("--verbose", action="store_true", help="show the engines' own output")
-    return p
+    return options.build_parser(VerifyEngineOptions, prog=PROG, description=__doc__.split("\n\n")[0])
 
 
 def run_verification(folder: str | Path, engine: str, *, context_length: int | None = None,
@@ -123,9 +138,10 @@ def run_verification(folder: str | Path, engine: str, *, context_length: int | N
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        a = build_parser().parse_args(argv)
-    except SystemExit as e:  # argparse: 2 for bad usage already, 0 for --help
-        return int(e.code or 0)
+        a = options.parse(VerifyEngineOptions, argv, prog=PROG, description=__doc__.split("\n\n")[0])
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     os.environ.setdefault("VLLM_CACHE_ROOT", str(Path(sys.prefix) / "vllm-cache"))  # the registry's cache
     if a.engine == "both":
         return run_both(a)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
-from core.config import parse_hyphenated
+from core import options
+from core.config import ConfigError
 from core.dataset.format import (
     COUNTS_NAME,
     MANIFEST_NAME,
@@ -32,6 +34,7 @@ from core.dataset.format import (
 from core.dataset.fp8 import dequantize_fp8
 from core.dataset.shard_record import recorded_sha256
 from core.dataset.writer import count_tokens, shard_loss_tokens
+from core.options import option
 
 logger = logging.getLogger(__name__)
 
@@ -162,34 +165,38 @@ def verify_dataset(root: str | Path, deep: bool = False) -> list[str]:
     return lines
 
 
+@dataclass(kw_only=True)
+class VerifyOptions:
+    """The options of python -m extract.verify (core.options)."""
+
+    dir: str = option(help="dataset folder (the one holding manifest.json and shards/)", group="inputs",
+                      positional=True, metavar="DIR")
+    deep: bool = option(False, "also read every byte: re-hash every shard (without it, a shard whose size and mtime "
+                               "are still those its writer recorded is checked by the recorded sha256), check that "
+                               "all hidden states (fp8 dequantised) and teacher log-probabilities are finite, and "
+                               "recompute token_counts.safetensors (reads the whole dataset; slower)",
+                        group="checks")
+    quiet: bool = option(False, "print nothing when the dataset is intact", group="output", short="-q")
+
+
+PROG = "python -m extract.verify"
+DESCRIPTION = ("Verify a redraft dataset folder against its manifest.json: every shard exists, its sha256 and "
+               "sample/token/loss-token counts match the manifest, the manifest totals equal the sum of the shards, "
+               "and token_counts.safetensors has the right shape and total. Prints one line per bad file. Exit "
+               "status: 0 intact, 1 problems found, 2 usage error or no readable manifest.")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m extract.verify",
-        description=(
-            "Verify a redraft dataset folder against its manifest.json: every shard exists, its sha256 "
-            "and sample/token/loss-token counts match the manifest, the manifest totals equal the sum of "
-            "the shards, and token_counts.safetensors has the right shape and total. Prints one line per "
-            "bad file. Exit status: 0 intact, 1 problems found, 2 usage error or no readable manifest."
-        ),
-    )
-    p.add_argument("dir", metavar="DIR", help="dataset folder (the one holding manifest.json and shards/)")
-    p.add_argument(
-        "--deep",
-        action="store_true",
-        help=(
-            "also read every byte: re-hash every shard (without it, a shard whose size and mtime are still "
-            "those its writer recorded is checked by the recorded sha256), check that all hidden states (fp8 "
-            "dequantised) and teacher log-probabilities are finite, and recompute token_counts.safetensors "
-            "(reads the whole dataset; slower)"
-        ),
-    )
-    p.add_argument("-q", "--quiet", action="store_true", help="print nothing when the dataset is intact")
-    return p
+    return options.build_parser(VerifyOptions, prog=PROG, description=DESCRIPTION)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_hyphenated(build_parser(), argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        args = options.parse(VerifyOptions, argv, prog=PROG, description=DESCRIPTION)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     root = Path(args.dir)
     if not root.is_dir():
         print(f"error: {root} is not a directory", file=sys.stderr)

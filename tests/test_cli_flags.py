@@ -39,7 +39,6 @@ def test_hyphenate_flags_leaves_values_and_positionals_alone():
 
 
 def test_underscore_spelling_is_accepted_everywhere(tmp_path):
-    from eval.verify_engine import build_parser as verify_engine_parser
     from extract.config import parse_args as extract_args
     from train.config import load_config
 
@@ -52,7 +51,11 @@ def test_underscore_spelling_is_accepted_everywhere(tmp_path):
     acc = parse(AcceptanceOptions, ["ckpt", "--data", "d", "--num_draft_tokens", "6", "--batch-tokens", "9"],
                 prog=PROG, description=DESCRIPTION)
     assert (acc.num_draft_tokens, acc.batch_tokens, acc.checkpoints) == (6, 9, ["ckpt"])
-    ve = parse_hyphenated(verify_engine_parser(), ["folder", "--engine", "vllm", "--context_length", "64"])
+    from eval.verify_engine import PROG as VE_PROG
+    from eval.verify_engine import VerifyEngineOptions
+
+    ve = parse(VerifyEngineOptions, ["folder", "--engine", "vllm", "--context_length", "64"], prog=VE_PROG,
+               description="")
     assert ve.context_length == 64
     from eval.online import build_parser as online_parser
 
