@@ -454,12 +454,17 @@ DESCRIPTION = ("Offline acceptance length of EAGLE-3 drafters on a redraft datas
                "drafting position is shown as a diagnostic. Several checkpoints side by side.")
 
 
+def parse_options(argv: Sequence[str] | None) -> AcceptanceOptions:
+    """The command line (and its --config YAML) as AcceptanceOptions (core.options)."""
+    return options.parse(AcceptanceOptions, argv, prog=PROG, description=DESCRIPTION)
+
+
 def build_parser() -> argparse.ArgumentParser:
     return options.build_parser(AcceptanceOptions, prog=PROG, description=DESCRIPTION)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    args = options.parse(AcceptanceOptions, argv, prog=PROG, description=DESCRIPTION)
+    args = parse_options(argv)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = Settings(args.steps, args.topk, args.num_draft_tokens, args.temperature, args.batch_tokens,

@@ -25,7 +25,7 @@ import os
 import shlex
 import shutil
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -490,12 +490,17 @@ EPILOG = ("Example: python -m eval.export runs/demo OUT/drafter-sglang --format 
           "--max-running-requests 256")
 
 
+def parse_options(argv: Sequence[str] | None) -> ExportOptions:
+    """The command line (and its --config YAML) as ExportOptions (core.options)."""
+    return options.parse(ExportOptions, argv, prog=PROG, description=DESCRIPTION, epilog=EPILOG)
+
+
 def build_parser() -> argparse.ArgumentParser:
     return options.build_parser(ExportOptions, prog=PROG, description=DESCRIPTION, epilog=EPILOG)
 
 
 def parse_args(argv: list[str]) -> ExportConfig:
-    a = options.parse(ExportOptions, argv, prog=PROG, description=DESCRIPTION, epilog=EPILOG)
+    a = parse_options(argv)
     plan = LaunchPlan(steps=a.steps, topk=a.topk, num_draft_tokens=a.num_draft_tokens, tp=a.tp,
                       max_running_requests=a.max_running_requests, cuda_graph_max_bs=a.cuda_graph_max_bs,
                       trust_remote_code=a.trust_remote_code)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from core.config import parse_args_with_config
 from core.layers import default_aux_layer_ids, to_engine_layer_ids
 from core.target_weights import weight_key_candidates
 from extract.config import load_yaml
@@ -21,7 +20,7 @@ def _serve_env() -> dict[str, str]:
 
 
 def _parsed(module, config: str, *positional: str):
-    return parse_args_with_config(module.build_parser(), ["--config", str(KIMI / config), *positional])
+    return module.parse_options(["--config", str(KIMI / config), *positional])
 
 
 def test_kimi_configs_agree():
@@ -73,4 +72,4 @@ def test_unknown_key_in_an_eval_config_is_refused(tmp_path):
     bad = tmp_path / "export.yaml"
     bad.write_text("format: sglang\nspeculative_steps: 3\n")
     with pytest.raises(ConfigError, match=r"export.yaml: unknown key 'speculative_steps'"):
-        parse_args_with_config(export.build_parser(), ["--config", str(bad), "RUN", "OUT"])
+        export.parse_options(["--config", str(bad), "RUN", "OUT"])
