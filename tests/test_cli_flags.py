@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from core.config import hyphenate_flags, parse_hyphenated
+from core.config import hyphenate_flags
 from core.options import parse
 
 PARSERS = {
@@ -57,9 +57,9 @@ def test_underscore_spelling_is_accepted_everywhere(tmp_path):
     ve = parse(VerifyEngineOptions, ["folder", "--engine", "vllm", "--context_length", "64"], prog=VE_PROG,
                description="")
     assert ve.context_length == 64
-    from eval.online import build_parser as online_parser
+    from eval.online import parse_options as online_options
 
-    on = parse_hyphenated(online_parser(), ["ckpt", "--data", "d", "--max_new_tokens", "7"])
+    on = online_options(["ckpt", "--data", "d", "--max_new_tokens", "7"])
     assert on.max_new_tokens == 7
 
 
