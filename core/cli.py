@@ -23,20 +23,21 @@ USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, DatasetError, Check
 
 
 def run(main: Callable[[], Any], log: logging.Logger, user_errors: tuple[type[BaseException], ...] = ()) -> int:
-    """Call ``main``; exit code 0 when it returns, 2 on a user's mistake (one line), 1 when an engine failed.
+    """Call ``main``; its exit code when it returns one (an int), else 0; 2 on a user's mistake (one line), 1 when an
+    engine failed.
 
     ``user_errors``: a stage's own error types that also name the problem (e.g. a bad input record)."""
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        main()
+        rc = main()
     except USER_ERRORS + user_errors as e:
         log.error("%s", _one_line(e))
         return 2
     except EngineError as e:
         log.error("%s", e)
         return 1
-    return 0
+    return rc if isinstance(rc, int) and not isinstance(rc, bool) else 0
 
 
 def _one_line(e: BaseException) -> str:

@@ -27,8 +27,9 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from core import options
 from core.atomic import atomic_write_text  # noqa: E402
-from core.config import parse_hyphenated
+from core.options import option
 from eval import acceptance, online  # noqa: E402
 from eval.acceptance_report import format_table  # noqa: E402
 
@@ -188,40 +189,51 @@ def run(ckpt: str, data: str, steps: Sequence[int], tol: Tolerances, *, max_samp
     return out
 
 
+@dataclass(kw_only=True)
+class EngineTruthOptions:
+    """The options of python -m eval.engine_truth (core.options)."""
+
+    checkpoint: str = option(help="run or step folder (exported to the engine's layout)", group="inputs",
+                             positional=True, metavar="CKPT")
+    data: str = option(help="dataset folder (prompts + stored answers + features)", group="inputs")
+    max_samples: int = option(0, "first N samples (0 = all)", group="inputs")
+    target: str | None = option(None, "target folder (default: the manifest's)", group="inputs")
+    engine: str = option("vllm", "vllm or sglang (SGLang's engine; on a CPU the SGLang CPU venv)", group="engine",
+                         choices=online.ENGINES)
+    engine_python: str | None = option(None, "interpreter with the engine (default: this one if it has it, else the "
+                                             "engine's CPU venv)", group="engine")
+    steps: list[int] = option([], "K, repeatable or comma-separated (default 3); each K is one engine run",
+                              group="speculation")
+    topk: int = option(1, "--engine sglang: --speculative-eagle-topk (1 = a chain; > 1 = a tree)",
+                       group="speculation")
+    num_draft_tokens: int | None = option(None, "--engine sglang, --topk > 1: tokens verified per round, the root "
+                                                "included", group="speculation")
+    speed_samples: int = option(8, "requests also run without the drafter (tokens/s)", group="speculation")
+    min_samples: int = option(32, "fail when fewer samples have engine output = stored answer", group="tolerances")
+    tau_tol: float = option(0.02, "relative tau tolerance", group="tolerances")
+    rate_tol: float = option(0.02, "absolute per-position tolerance", group="tolerances")
+    exact_per_request: bool = option(False, "also fail unless every compared sample's drafts and accepted tokens per "
+                                            "position are the engine's exactly", group="tolerances")
+    json: str | None = option(None, "write everything as JSON", group="output")
+    markdown: str | None = option(None, "write the side-by-side table as Markdown", group="output")
+
+
+PROG = "python -m eval.engine_truth"
+DESCRIPTION = ("Hold eval.acceptance's offline tau against the engine's (vLLM or SGLang) online tau on the same "
+               "prompts; exit 1 when they differ by more than the tolerances.")
+
+
+def parse_options(argv: Sequence[str] | None) -> EngineTruthOptions:
+    """The command line (and its --config YAML) as EngineTruthOptions (core.options)."""
+    return options.parse(EngineTruthOptions, argv, prog=PROG, description=DESCRIPTION)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m eval.engine_truth",
-                                description="Hold eval.acceptance's offline tau against the engine's (vLLM or SGLang) "
-                                            "online tau on the same prompts; exit 1 when they differ by more than "
-                                            "the tolerances.")
-    p.add_argument("checkpoint", metavar="CKPT", help="run or step folder (exported to the engine's layout)")
-    p.add_argument("--data", required=True, help="dataset folder (prompts + stored answers + features)")
-    p.add_argument("--steps", type=int, action="append", default=None,
-                   help="K, repeatable (default 3); each K is one engine run")
-    p.add_argument("--max-samples", type=int, default=0, help="first N samples (0 = all)")
-    p.add_argument("--min-samples", type=int, default=32,
-                   help="fail when fewer samples have engine output = stored answer (default 32)")
-    p.add_argument("--tau-tol", type=float, default=0.02, help="relative tau tolerance (default 0.02)")
-    p.add_argument("--rate-tol", type=float, default=0.02, help="absolute per-position tolerance (default 0.02)")
-    p.add_argument("--exact-per-request", action="store_true",
-                   help="also fail unless every compared sample's drafts and accepted tokens per position are the "
-                        "engine's exactly")
-    p.add_argument("--speed-samples", type=int, default=8, help="requests also run without the drafter (tokens/s)")
-    p.add_argument("--engine", choices=online.ENGINES, default="vllm",
-                   help="vllm (default) or sglang (SGLang's engine; on a CPU the SGLang CPU venv)")
-    p.add_argument("--topk", type=int, default=1,
-                   help="--engine sglang: --speculative-eagle-topk (1 = a chain, default; > 1 = a tree)")
-    p.add_argument("--num-draft-tokens", type=int, default=None,
-                   help="--engine sglang, --topk > 1: tokens verified per round, the root included")
-    p.add_argument("--engine-python", default=None,
-                   help="interpreter with the engine (default: this one if it has it, else the engine's CPU venv)")
-    p.add_argument("--target", default=None, help="target folder (default: the manifest's)")
-    p.add_argument("--json", default=None, help="write everything as JSON")
-    p.add_argument("--markdown", default=None, help="write the side-by-side table as Markdown")
-    return p
+    return options.build_parser(EngineTruthOptions, prog=PROG, description=DESCRIPTION)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_hyphenated(build_parser(), argv)
+    args = parse_options(argv)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     tol = Tolerances(args.tau_tol, args.rate_tol, args.min_samples, args.exact_per_request)
@@ -241,8 +253,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except (online.OnlineError, ValueError) as e:
-        logging.getLogger(__name__).error("%s", e)
-        sys.exit(2)
+    from core import cli
+
+    # ValueError too: the drafter and layer rules (core.drafter, core.layers) refuse by key with it
+    sys.exit(cli.run(main, logging.getLogger("eval.engine_truth"), (online.OnlineError, ValueError)))
