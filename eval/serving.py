@@ -46,8 +46,10 @@ from typing import Any
 
 import aiohttp
 
-from core.config import parse_hyphenated
+from core import options
+from core.config import ConfigError
 from core.engines.server import ServerError, detect_server, get_json
+from core.options import option
 from eval import serving_acceptance as acc
 from eval.serving_client import RequestSettings, Target, requests_for, run_level
 from eval.serving_prompts import ServingError, encode_chat_prompts, load_prompts
@@ -249,81 +251,72 @@ async def run_benchmark(cfg: ServingConfig) -> dict[str, Any]:
 # CLI
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
+@dataclass(kw_only=True)
+class ServingOptions:
+    """The options of python -m eval.serving (core.options)."""
+
+    base: str | None = option(None, "URL of the server (SGLang or vLLM) without speculative decoding, e.g. "
+                                    "http://host:30000", group="servers")
+    eagle: str | None = option(None, "URL of the server (SGLang or vLLM) running the EAGLE-3 drafter; a vLLM server "
+                                     "must carry no other traffic while measured (its counters are global)",
+                               group="servers")
+    engine: str = option("auto", "the servers' engine; auto: detected per server (SGLang when /model_info answers, "
+                                 "else vLLM when /v1/models does)", group="servers", choices=ENGINES)
+    api: str = option("auto", "native: token ids rendered here with --tokenizer's chat template (SGLang /generate, "
+                              "vLLM /v1/completions); openai: /v1/chat/completions, the server templates (SGLang then "
+                              "reports no acceptance; vLLM's comes from /metrics either way); auto: native iff "
+                              "--tokenizer", group="servers", choices=("auto", "native", "openai"))
+    model: str | None = option(None, "model name for the OpenAI-style APIs; unset: the first id from /v1/models",
+                               group="servers")
+    prompts: str | None = option(None, "prompt file: JSONL (turns/prompt/messages/conversations), JSON list or .txt; "
+                                       "default: the embedded MT-bench questions (first turns)", group="traffic")
+    num_prompts: int = option(80, "use the first N prompts (0: all)", group="traffic")
+    tokenizer: str | None = option(None, "target model/tokenizer folder whose chat template renders the prompts",
+                                   group="traffic")
+    trust_remote_code: bool = option(False, "allow the tokenizer's custom code (Kimi-K2.5 needs it; only for folders "
+                                            "you trust)", group="traffic")
+    chat_template_kwargs: dict[str, Any] = option({}, 'JSON object passed to the chat template, e.g. '
+                                                      '\'{"thinking": true}\'', group="traffic")
+    concurrency: list[int] = option([1, 8, 32, 128], "comma-separated concurrent streams per setting (1 = single "
+                                                     "stream)", group="traffic")
+    max_tokens: int = option(256, "max new tokens per request", group="traffic")
+    temperature: float = option(0.0, "sampling temperature (0: greedy)", group="traffic")
+    ignore_eos: bool = option(False, "generate exactly --max-tokens per request (fixed length; text after EOS is not "
+                                     "representative for acceptance)", group="traffic")
+    min_rounds: int = option(2, "each setting sends max(N prompts, min-rounds x concurrency) requests",
+                             group="traffic")
+    warmup: int = option(4, "warm-up requests per server before measuring (0: none)", group="traffic")
+    timeout: float = option(300.0, "seconds one request attempt may take", group="requests")
+    connect_timeout: float = option(10.0, "seconds to open a connection", group="requests")
+    retries: int = option(2, "retries per request after a connection error, time-out, 5xx or 429", group="requests")
+    json: str | None = option(None, "write the full report as JSON here", group="output")
+    markdown: str | None = option(None, "write the tables as Markdown here", group="output")
+    plot: str | None = option(None, "write a PNG of tokens/s against concurrency here", group="output")
+    verbose: bool = option(False, "debug logging", group="output", short="-v")
+
+    def validate(self) -> None:
+        if not self.concurrency or min(self.concurrency) < 1:
+            raise ConfigError(f"concurrency={self.concurrency}: expected positive integers")
+        if self.max_tokens < 1 or self.timeout <= 0:
+            raise ConfigError("max_tokens and timeout: must be positive")
+        if self.retries < 0 or self.num_prompts < 0 or self.warmup < 0:
+            raise ConfigError("retries, num_prompts and warmup: must be >= 0")
 
 
-def _json_dict(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not JSON: {e}") from e
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("expected a JSON object")
-    return value
+PROG = "python -m eval.serving"
+DESCRIPTION = "Benchmark SGLang or vLLM servers: base vs EAGLE-3 side by side (tokens/s, TPOT, TTFT, acceptance)."
+EPILOG = ("Acceptance length, the engine's own: SGLang: Σ completion tokens / Σ spec_verify_ct from each answer's "
+          "meta_info (native API only); vLLM: 1 + accepted / drafts from the difference of its /metrics spec-decode "
+          "counters around each setting (either API; per position too; the server must carry no other traffic). A "
+          "server without a drafter: n/a. Exit status: 0 ok, 1 a setting had no successful request, 2 bad options "
+          "or an unreachable server.")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m eval.serving",
-        description="Benchmark SGLang or vLLM servers: base vs EAGLE-3 side by side (tokens/s, TPOT, TTFT, "
-                    "acceptance).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        epilog="Acceptance length, the engine's own: SGLang: Σ completion tokens / Σ spec_verify_ct from each "
-               "answer's meta_info (native API only); vLLM: 1 + accepted / drafts from the difference of its "
-               "/metrics spec-decode counters around each setting (either API; per position too; the server must "
-               "carry no other traffic). A server without a drafter: n/a. Exit status: 0 ok, 1 a setting had no "
-               "successful request, 2 bad options or an unreachable server.")
-    p.add_argument("--base", help="URL of the server (SGLang or vLLM) without speculative decoding, "
-                                   "e.g. http://host:30000")
-    p.add_argument("--eagle", help="URL of the server (SGLang or vLLM) running the EAGLE-3 drafter; a vLLM "
-                                    "server must carry no other traffic while measured (its counters are global)")
-    p.add_argument("--concurrency", type=_int_list, default=[1, 8, 32, 128],
-                   help="comma-separated concurrent streams per setting (1 = single stream)")
-    p.add_argument("--max-tokens", type=int, default=256, help="max new tokens per request")
-    p.add_argument("--prompts", help="prompt file: JSONL (turns/prompt/messages/conversations), JSON list or .txt; "
-                                     "default: the embedded MT-bench questions (first turns)")
-    p.add_argument("--num-prompts", type=int, default=80, help="use the first N prompts (0: all)")
-    p.add_argument("--min-rounds", type=int, default=2,
-                   help="each setting sends max(N prompts, min-rounds x concurrency) requests")
-    p.add_argument("--warmup", type=int, default=4, help="warm-up requests per server before measuring (0: none)")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds one request attempt may take")
-    p.add_argument("--connect-timeout", type=float, default=10.0, help="seconds to open a connection")
-    p.add_argument("--retries", type=int, default=2,
-                   help="retries per request after a connection error, time-out, 5xx or 429")
-    p.add_argument("--engine", choices=list(ENGINES), default="auto",
-                   help="the servers' engine; auto: detected per server (SGLang when /model_info answers, else "
-                        "vLLM when /v1/models does)")
-    p.add_argument("--api", choices=["auto", "native", "openai"], default="auto",
-                   help="native: token ids rendered here with --tokenizer's chat template (SGLang /generate, "
-                        "vLLM /v1/completions); openai: /v1/chat/completions, the server templates (SGLang then "
-                        "reports no acceptance; vLLM's comes from /metrics either way); auto: native iff --tokenizer")
-    p.add_argument("--tokenizer", help="target model/tokenizer folder whose chat template renders the prompts")
-    p.add_argument("--trust-remote-code", action="store_true",
-                   help="allow the tokenizer's custom code (Kimi-K2.5 needs it; only for folders you trust)")
-    p.add_argument("--chat-template-kwargs", type=_json_dict, default={},
-                   help='JSON object passed to the chat template, e.g. \'{"thinking": true}\'')
-    p.add_argument("--model", help="model name for the OpenAI-style APIs; unset: the first id from /v1/models")
-    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
-    p.add_argument("--ignore-eos", action="store_true",
-                   help="generate exactly --max-tokens per request (fixed length; text after EOS is not "
-                        "representative for acceptance)")
-    p.add_argument("--json", dest="json_path", help="write the full report as JSON here")
-    p.add_argument("--markdown", dest="markdown_path", help="write the tables as Markdown here")
-    p.add_argument("--plot", dest="plot_path", help="write a PNG of tokens/s against concurrency here")
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    return p
+    return options.build_parser(ServingOptions, prog=PROG, description=DESCRIPTION, epilog=EPILOG)
 
 
-def config_from_args(args: argparse.Namespace) -> ServingConfig:
-    if args.max_tokens < 1 or args.timeout <= 0 or args.retries < 0 or args.num_prompts < 0 or args.warmup < 0:
-        raise ServingError("--max-tokens and --timeout must be positive; --retries, --num-prompts, --warmup >= 0")
+def config_from_args(args: ServingOptions) -> ServingConfig:
     return ServingConfig(
         base=args.base, eagle=args.eagle, concurrency=args.concurrency, max_tokens=args.max_tokens,
         prompts=args.prompts, num_prompts=args.num_prompts, min_rounds=max(args.min_rounds, 1), warmup=args.warmup,
@@ -331,8 +324,8 @@ def config_from_args(args: argparse.Namespace) -> ServingConfig:
         api=args.api,
         tokenizer=args.tokenizer, trust_remote_code=args.trust_remote_code,
         chat_template_kwargs=args.chat_template_kwargs, model=args.model, temperature=args.temperature,
-        ignore_eos=args.ignore_eos, json_path=args.json_path, markdown_path=args.markdown_path,
-        plot_path=args.plot_path,
+        ignore_eos=args.ignore_eos, json_path=args.json, markdown_path=args.markdown,
+        plot_path=args.plot,
     )
 
 
@@ -346,7 +339,11 @@ def write_outputs(report: dict[str, Any], cfg: ServingConfig) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_hyphenated(build_parser(), argv)
+    try:
+        args = options.parse(ServingOptions, argv, prog=PROG, description=DESCRIPTION, epilog=EPILOG)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

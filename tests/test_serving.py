@@ -307,8 +307,8 @@ def test_help_documents_every_option():
     assert undocumented == []
 
 
-def test_bad_concurrency_is_a_usage_error():
-    with pytest.raises(SystemExit):
-        serving.build_parser().parse_args(["--concurrency", "1,x"])
-    with pytest.raises(SystemExit):
-        serving.build_parser().parse_args(["--concurrency", "0"])
+def test_bad_concurrency_is_a_usage_error(capsys):
+    assert serving.main(["--concurrency", "1,x"]) == 2
+    assert "concurrency='x': invalid literal" in capsys.readouterr().err
+    assert serving.main(["--concurrency", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "error: concurrency=[0]: expected positive integers"
