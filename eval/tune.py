@@ -46,9 +46,11 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script path: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from core.config import parse_hyphenated  # noqa: E402
+from core import options  # noqa: E402
+from core.config import ConfigError  # noqa: E402
 from core.engines.driver_protocol import EngineError  # noqa: E402
 from core.engines.vllm import engine_python  # noqa: E402
+from core.options import option  # noqa: E402
 from eval import tune_model  # noqa: E402
 from eval.serving_repeats import BASE, ServerOptions, ServerSpec, SweepError, pool_server, run_interleaved  # noqa: E402
 from eval.tune_report import DEFINITIONS, answer, recommendation, setting_name, write_outputs  # noqa: E402
@@ -260,60 +262,60 @@ def served_limits(runs: list[dict[str, Any]]) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- CLI
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
-    return values
+@dataclass(kw_only=True)
+class TuneOptions:
+    """The options of python -m eval.tune (core.options); ``config_from_args`` maps them onto a TuneConfig."""
+
+    drafter: str = option(help="training run, checkpoint or export (eval.export)", group="inputs", positional=True)
+    target: str = option(help="target folder or built-in name", group="inputs")
+    prompts: str | None = option(None, "the traffic: a file python -m extract --data reads, or a built-in name "
+                                       "(mtbench); answered by the target into OUT/traffic", group="inputs")
+    data: str | None = option(None, "the traffic as a dataset made earlier by python -m extract --regenerate",
+                              group="inputs")
+    num_prompts: int = option(32, "samples of the traffic used", group="inputs")
+    max_tokens: int = option(128, "new tokens per answer when --prompts are answered (--data keeps the budget its "
+                                  "answers were written with, so that offline and engine walk the same tokens)",
+                             group="inputs")
+    regen_backend: str = option("vllm", "who answers the --prompts for the traffic dataset (extract "
+                                        "--regen-backend)", group="inputs", choices=("hf", "vllm"))
+    engine: str = option("vllm", "the engine swept: vllm, or sglang (on a CPU: the SGLang CPU venv, redraft's "
+                                 "stand-in for its kernels)", group="engine", choices=("vllm", "sglang"))
+    engine_python: str | None = option(None, "interpreter with the engine (default: this one if it has it, else its "
+                                             "CPU venv: VLLM_CPU_VENV / SGLANG_CPU_VENV or ~/.cache/redraft/*-cpu)",
+                                       group="engine")
+    dtype: str = option("float32", "the engine's dtype (vLLM --dtype)", group="engine")
+    max_model_len: int = option(2048, "vLLM --max-model-len (and extract --max-length)", group="engine")
+    kv_cache_bytes: int = option(1 << 30, "vLLM --kv-cache-memory-bytes (vLLM CPU)", group="engine")
+    threads: int | None = option(None, "OMP_NUM_THREADS of the servers (default: inherited, else 2)", group="engine")
+    start_timeout: float = option(900.0, "seconds a server may take to start", group="engine")
+    timeout: float = option(600.0, "seconds one request may take", group="engine")
+    tp: int = option(1, "tensor parallelism written into the launch lines", group="engine")
+    steps: list[int] = option([1, 2, 3, 4, 5], "draft chain lengths k to try (vLLM num_speculative_tokens; SGLang "
+                                               "steps k, topk 1)", group="sweep")
+    concurrency: list[int] = option([1, 4, 16], "concurrent streams to measure", group="sweep")
+    repeats: int = option(3, "interleaved repeats of the sweep (a fresh server each)", group="sweep")
+    probe_steps: list[int] | None = option(None, "settings probed for the cost model (default: the smallest and "
+                                                 "largest of --steps)", group="sweep")
+    probe_prompts: int = option(8, "prompts of each probe (one round per concurrency)", group="sweep")
+    predict_only: bool = option(False, "probes and prediction only, no sweep", group="sweep")
+    warmup: int = option(2, "warm-up requests per server start, not measured", group="sweep")
+    min_rounds: int = option(2, "each concurrency sends max(prompts, min-rounds x concurrency) requests",
+                             group="sweep")
+    out: str = option("runs/tune", "folder for the traffic, report.json/.md/.png", group="output")
+
+
+PROG = "python -m eval.tune"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m eval.tune", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("drafter", help="training run, checkpoint or export (eval.export)")
-    p.add_argument("--engine", choices=("vllm", "sglang"), default="vllm",
-                   help="the engine swept: vllm, or sglang (on a CPU: the SGLang CPU venv, redraft's stand-in for "
-                        "its kernels)")
-    p.add_argument("--target", required=True, help="target folder or built-in name")
-    p.add_argument("--prompts", help="the traffic: a file python -m extract --data reads, or a built-in name "
-                                     "(mtbench); answered by the target into OUT/traffic")
-    p.add_argument("--data", help="the traffic as a dataset made earlier by python -m extract --regenerate")
-    p.add_argument("--steps", type=_ints, default=(1, 2, 3, 4, 5),
-                   help="draft chain lengths k to try (vLLM num_speculative_tokens; SGLang steps k, topk 1)")
-    p.add_argument("--concurrency", type=_ints, default=(1, 4, 16), help="concurrent streams to measure")
-    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats of the sweep (a fresh server each)")
-    p.add_argument("--num-prompts", type=int, default=32, help="samples of the traffic used")
-    p.add_argument("--max-tokens", type=int, default=128, help="new tokens per answer when --prompts are answered (--data keeps the budget its "
-                                         "answers were written with, so that offline and engine walk the same tokens)")
-    p.add_argument("--probe-steps", type=_ints, default=None,
-                   help="settings probed for the cost model (default: the smallest and largest of --steps)")
-    p.add_argument("--probe-prompts", type=int, default=8, help="prompts of each probe (one round per concurrency)")
-    p.add_argument("--predict-only", action="store_true", help="probes and prediction only, no sweep")
-    p.add_argument("--warmup", type=int, default=2, help="warm-up requests per server start, not measured")
-    p.add_argument("--min-rounds", type=int, default=2,
-                   help="each concurrency sends max(prompts, min-rounds x concurrency) requests")
-    p.add_argument("--regen-backend", choices=("hf", "vllm"), default="vllm",
-                   help="who answers the --prompts for the traffic dataset (extract --regen-backend)")
-    p.add_argument("--dtype", default="float32", help="the engine's dtype (vLLM --dtype)")
-    p.add_argument("--max-model-len", type=int, default=2048, help="vLLM --max-model-len (and extract --max-length)")
-    p.add_argument("--kv-cache-bytes", type=int, default=1 << 30, help="vLLM --kv-cache-memory-bytes (vLLM CPU)")
-    p.add_argument("--engine-python", help="interpreter with the engine (default: this one if it has it, else its "
-                                           "CPU venv: VLLM_CPU_VENV / SGLANG_CPU_VENV or ~/.cache/redraft/*-cpu)")
-    p.add_argument("--threads", type=int, help="OMP_NUM_THREADS of the servers (default: inherited, else 2)")
-    p.add_argument("--start-timeout", type=float, default=900.0, help="seconds a server may take to start")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
-    p.add_argument("--tp", type=int, default=1, help="tensor parallelism written into the launch lines")
-    p.add_argument("--out", default="runs/tune", help="folder for the traffic, report.json/.md/.png")
-    return p
+    return options.build_parser(TuneOptions, prog=PROG, description=__doc__.split("\n")[0])
 
 
-def config_from_args(args: argparse.Namespace) -> TuneConfig:
+def config_from_args(args: TuneOptions) -> TuneConfig:
     return TuneConfig(drafter=args.drafter, target=args.target, prompts=args.prompts, data=args.data, out=args.out,
-                      steps=args.steps, concurrency=args.concurrency, repeats=args.repeats,
-                      num_prompts=args.num_prompts, max_tokens=args.max_tokens, probe_steps=args.probe_steps,
+                      steps=tuple(args.steps), concurrency=tuple(args.concurrency), repeats=args.repeats,
+                      num_prompts=args.num_prompts, max_tokens=args.max_tokens,
+                      probe_steps=tuple(args.probe_steps) if args.probe_steps else None,
                       probe_prompts=args.probe_prompts, predict_only=args.predict_only, warmup=args.warmup,
                       min_rounds=args.min_rounds, regen_backend=args.regen_backend, dtype=args.dtype,
                       max_model_len=args.max_model_len, kv_cache_bytes=args.kv_cache_bytes,
@@ -326,11 +328,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from eval.tune_report import answer_rows, detail_rows
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_hyphenated(build_parser(), argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        args = options.parse(TuneOptions, argv, prog=PROG, description=__doc__.split("\n")[0])
         report = run(config_from_args(args), argv)
-    except TuneError as e:
+    except (TuneError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if report["answer"] is not None:
