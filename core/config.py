@@ -74,35 +74,3 @@ def hyphenate_flags(argv: Sequence[str]) -> list[str]:
 def parse_hyphenated(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> argparse.Namespace:
     """``parser.parse_args`` that also accepts the underscore spelling of every flag."""
     return parser.parse_args(hyphenate_flags(sys.argv[1:] if argv is None else argv))
-
-
-def parse_args_with_config(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
-    """argparse plus `--config FILE.yaml`: the file's keys are the options' names, flags override it.
-
-    Used by the eval/export command lines so a cluster's settings live in configs/ like the
-    extract and train ones; an unknown key is refused naming the key and the file.
-    """
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--config")
-    argv = hyphenate_flags(sys.argv[1:] if argv is None else argv)
-    known, _ = pre.parse_known_args(argv)
-    if known.config:
-        path = Path(known.config)
-        raw = read_yaml_mapping(path)
-        actions = {a.dest: a for a in parser._actions if a.option_strings and a.dest not in ("help", "config")}
-        values = {}
-        for key, value in raw.items():
-            name = str(key).replace("-", "_")
-            if name not in actions:
-                raise ConfigError(f"{path}: unknown key {key!r} (known: {', '.join(sorted(actions))})")
-            action = actions[name]
-            if action.type is not None and value is not None and not isinstance(value, bool):
-                value = action.type(value)
-            if action.choices is not None and value not in action.choices:
-                raise ConfigError(f"{path}: key {key!r}: expected one of {list(action.choices)}, got {value!r}")
-            action.required = False
-            values[name] = value
-        parser.set_defaults(**values)
-    if not any(a.dest == "config" for a in parser._actions):
-        parser.add_argument("--config", help="YAML file whose keys are these options' names; flags override it.")
-    return parse_hyphenated(parser, argv)

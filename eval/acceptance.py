@@ -507,7 +507,12 @@ def _json_default(x: Any) -> Any:
     return str(x)
 
 
-if __name__ == "__main__":
-    from core.cli import run
+def cli(argv: list[str] | None = None) -> int:
+    """The command line: ``main`` ended as core.cli ends every command (one line and exit 2 on a mistake)."""
+    from core import cli as ending
 
-    sys.exit(run(main, logging.getLogger("eval.acceptance"), (AcceptanceError,)))
+    return ending.run(lambda: main(argv), logging.getLogger("eval.acceptance"), (AcceptanceError,))
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -471,8 +471,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     return res
 
 
-if __name__ == "__main__":
-    from core.cli import run
-
+def cli(argv: list[str] | None = None) -> int:
+    """The command line: ``main`` ended as core.cli ends every command (one line and exit 2 on a mistake)."""
     # ValueError too: the drafter and layer rules (core.drafter, core.layers) refuse by key with it
-    sys.exit(run(main, logging.getLogger("eval.online"), (OnlineError, ValueError)))
+    from core import cli as ending
+
+    return ending.run(lambda: main(argv), logging.getLogger("eval.online"), (OnlineError, ValueError))
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -357,5 +357,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     return exit_for_failed_levels((role, s["levels"]) for role, s in report["servers"].items())
 
 
+def cli(argv: list[str] | None = None) -> int:
+    """The command line: ``main`` ended as core.cli ends every command (one line and exit 2 on a mistake)."""
+    from core import cli as ending
+
+    return ending.run(lambda: main(argv), logging.getLogger("eval.serving"), (ServingError,))
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())

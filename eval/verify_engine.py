@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -148,5 +149,12 @@ def main(argv: list[str] | None = None) -> int:
     return run_one(a.engine, a)
 
 
+def cli(argv: list[str] | None = None) -> int:
+    """The command line: ``main`` ended as core.cli ends every command (one line and exit 2 on a mistake)."""
+    from core import cli as ending
+
+    return ending.run(lambda: main(argv), logging.getLogger("eval.verify_engine"), ())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())

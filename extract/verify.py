@@ -215,5 +215,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def cli(argv: list[str] | None = None) -> int:
+    """The command line: ``main`` ended as core.cli ends every command (one line and exit 2 on a mistake)."""
+    from core import cli as ending
+
+    return ending.run(lambda: main(argv), logging.getLogger("extract.verify"), ())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())

@@ -421,8 +421,13 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
     return trainer.fit()
 
 
-if __name__ == "__main__":
-    from core.cli import run
+def cli(argv: list[str] | None = None) -> int:
+    """The command line: ``main`` ended as core.cli ends every command (one line and exit 2 on a mistake)."""
+    # a bad option, dataset or checkpoint (a second trainer on OUT included): one line, exit 2
+    from core import cli as ending
 
-    # a bad option, dataset or checkpoint (a second trainer on OUT included): one line, exit 2 (core.cli)
-    sys.exit(run(main, logging.getLogger("train")))
+    return ending.run(lambda: main(argv), logging.getLogger("train"), ())
+
+
+if __name__ == "__main__":
+    sys.exit(cli())
