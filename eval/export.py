@@ -523,9 +523,9 @@ def main(argv: list[str] | None = None) -> int:
                             format="%(levelname)s %(name)s: %(message)s")
     try:
         result = export_checkpoint(ecfg)
-    except (ExportError, ServingFormatError) as e:
+    except (ExportError, ServingFormatError) as e:  # the input's fault, named by file and key
         log.error("%s", e)
-        return 1
+        return 2
     print(f"# serve {result.out} ({ecfg.format}):")
     print(result.command)
     if ecfg.verify_with:

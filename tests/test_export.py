@@ -224,7 +224,7 @@ def test_export_refuses_bad_checkpoints_naming_the_key(tmp_path, caplog, mutate,
     assert not (tmp_path / "out").exists()
     assert not list(tmp_path.glob(".tmp-*"))
     # the CLI reports the same message and fails
-    assert main([str(src), str(tmp_path / "out"), "--format", "vllm", "-q"]) == 1
+    assert main([str(src), str(tmp_path / "out"), "--format", "vllm", "-q"]) == 2
     assert any(r.levelname == "ERROR" and "key '" in r.getMessage() for r in caplog.records)
     assert not (tmp_path / "out").exists()
 
