@@ -59,47 +59,61 @@ def _split_commas(values: list[Any]) -> list[Any]:
 
 def coerce(name: str, value: Any, hint: Any, where: str = "") -> Any:
     """``value`` (from YAML or a flag's string) as the field's type; ConfigError naming the key otherwise."""
-    prefix = f"{where}: " if where else ""
+    try:
+        return _convert(value, hint)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{where + ': ' if where else ''}{name}={value!r}: {e}") from None
+
+
+def _convert(value: Any, hint: Any) -> Any:
     hint, optional = _unoptional(hint)
     if optional and (value is None or (isinstance(value, str) and value.strip().lower() in ("none", "null", ""))):
         return None
     origin = typing.get_origin(hint)
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if str(value).strip().lower() in _TRUE:
+            return True
+        if str(value).strip().lower() in _FALSE:
+            return False
+        raise ValueError("expected a boolean (true/false)")
+    if origin is list or hint is list:
+        (inner,) = typing.get_args(hint) or (str,)
+        return [_convert(v, inner) for v in _split_commas(value if isinstance(value, list) else [value])]
+    if origin is tuple:
+        items = _split_commas(value if isinstance(value, (list, tuple)) else [value])
+        elems = typing.get_args(hint)
+        if len(items) != len(elems):
+            raise ValueError(f"expected {len(elems)} comma-separated values")
+        return tuple(_convert(v, t) for t, v in zip(elems, items, strict=True))
+    if origin is dict or hint is dict:
+        if isinstance(value, str):
+            value = json.loads(value) if value.strip() else {}
+        if not isinstance(value, dict):
+            raise ValueError(f"expected a mapping (YAML) or a JSON object, got {type(value).__name__}")
+        return {str(k): v for k, v in value.items()}
+    if isinstance(value, (list, dict)) or (isinstance(value, bool) and hint in (int, float)):
+        raise ValueError(f"expected {getattr(hint, '__name__', hint)}")
+    if hint is int:
+        return _to_int(value)
+    return hint(value)
+
+
+def _to_int(value: Any) -> int:
+    """An integer, also written as 1e6 or 4096.0 (YAML and shells do); never a truncated fraction."""
+    if isinstance(value, int):
+        return value
     try:
-        if hint is bool:
-            if isinstance(value, bool):
-                return value
-            if str(value).strip().lower() in _TRUE:
-                return True
-            if str(value).strip().lower() in _FALSE:
-                return False
-            raise ValueError("expected a boolean (true/false)")
-        if origin is list or hint is list:
-            (inner,) = typing.get_args(hint) or (str,)
-            return [coerce(name, v, inner, where) for v in _split_commas(value if isinstance(value, list) else [value])]
-        if origin is tuple:
-            items = _split_commas(value if isinstance(value, (list, tuple)) else [value])
-            elems = typing.get_args(hint)
-            if len(items) != len(elems):
-                raise ValueError(f"expected {len(elems)} comma-separated values")
-            return tuple(coerce(name, v, t, where) for t, v in zip(elems, items, strict=True))
-        if origin is dict or hint is dict:
-            if isinstance(value, str):
-                value = json.loads(value) if value.strip() else {}
-            if not isinstance(value, dict):
-                raise ValueError(f"expected a mapping (YAML) or a JSON object, got {type(value).__name__}")
-            return {str(k): v for k, v in value.items()}
-        if isinstance(value, (list, dict)) or isinstance(value, bool) and hint in (int, float):
-            raise ValueError(f"expected {getattr(hint, '__name__', hint)}")
-        if hint is int and isinstance(value, str) and "e" in value.lower():
+        return int(value)
+    except ValueError:
+        try:
             as_float = float(value)
-            if not as_float.is_integer():
-                raise ValueError("not an integer")
-            return int(as_float)
-        if hint is int and isinstance(value, float) and not value.is_integer():
-            raise ValueError("not an integer")
-        return hint(value)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"{prefix}{name}={value!r}: {e}") from None
+        except ValueError:
+            raise ValueError("expected an integer") from None
+        if not as_float.is_integer():
+            raise ValueError("expected an integer, not a fraction") from None
+        return int(as_float)
 
 
 class _Parser(argparse.ArgumentParser):

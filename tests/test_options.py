@@ -60,7 +60,7 @@ def test_yaml_then_flags_and_unknown_keys_by_name(tmp_path):
     (["C"], r"^cmd: --out is required \(see cmd --help\)$"),
     ([], r"^cmd: the following arguments are required: ckpt \(see cmd --help\)$"),
     (["C", "--out", "O", "--stepz", "2"], r"unrecognized arguments: --stepz 2 \(see cmd --help\)"),
-    (["C", "--out", "O", "--steps", "two"], r"^steps='two': invalid literal"),
+    (["C", "--out", "O", "--steps", "two"], r"^steps='two': expected an integer$"),
     (["C", "--out", "O", "--steps", "0"], r"^steps: must be >= 1, got 0$"),
     (["C", "--out", "O", "--engine", "tgi"], r"argument --engine: invalid choice: 'tgi'"),
     (["C", "--out", "O", "--betas", "1"], r"^betas='1': expected 2 comma-separated values$"),
