@@ -309,6 +309,6 @@ def test_help_documents_every_option():
 
 def test_bad_concurrency_is_a_usage_error(capsys):
     assert serving.main(["--concurrency", "1,x"]) == 2
-    assert "concurrency=['x']: expected an integer" in capsys.readouterr().err
+    assert "concurrency=['1,x']: expected an integer" in capsys.readouterr().err
     assert serving.main(["--concurrency", "0"]) == 2
     assert capsys.readouterr().err.strip() == "error: concurrency=[0]: expected positive integers"
