@@ -472,7 +472,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                         args.max_new_tokens)
     settings.check()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    reader = DatasetReader(args.data)
+    reader = DatasetReader(args.data).require_samples()
     inspected = [inspect_checkpoint(c, reader) for c in args.checkpoints]  # fit errors before any long run
     indices, split = select_samples(reader, [rec for _, rec in inspected], args.split, args.max_samples)
     log.info("evaluating %d checkpoint(s) on %d samples (%s split) of %s", len(inspected), len(indices), split,

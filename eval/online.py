@@ -455,7 +455,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_options(argv)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    reader = DatasetReader(args.data)
+    reader = DatasetReader(args.data).require_samples()
     indices = select(reader, args.checkpoint, args.split, args.max_samples)
     settings = OnlineSettings(steps=args.steps, max_new_tokens=args.max_new_tokens, speed_samples=args.speed_samples,
                               dtype=args.dtype, max_model_len=args.max_model_len, timeout_s=args.timeout,

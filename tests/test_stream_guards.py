@@ -100,16 +100,19 @@ def test_a_trainer_waiting_for_consumed_shards_stops_naming_resume(tmp_path):
 
 
 def test_a_second_trainer_on_one_output_is_refused_until_the_first_dies(tmp_path):
-    out = tmp_path / "run"
+    from helpers_store import make_dataset
+
+    out, data = tmp_path / "run", tmp_path / "ds"
+    make_dataset(data)
     with output_lock(out), pytest.raises(CheckpointError, match=r"another train/main.py is training into this"):
-        run_main(base_args(tmp_path / "no-data", out))
+        run_main(base_args(data, out))
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys, time\nfrom train.checkpoint import output_lock\n"
          "with output_lock(sys.argv[1]):\n    print('held', flush=True)\n    time.sleep(120)\n", str(out)],
         cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        res = subprocess.run([sys.executable, "train/main.py", *base_args(tmp_path / "no-data", out)], cwd=ROOT,
+        res = subprocess.run([sys.executable, "train/main.py", *base_args(data, out)], cwd=ROOT,
                              env=child_env(), capture_output=True, text=True, timeout=120)
         assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
         assert f"pid {holder.pid}" in res.stderr and "pass another --out" in res.stderr

@@ -278,10 +278,16 @@ def build_data(cfg: Any, rank: int, world_size: int, accelerator: Any = None, re
         return build_stream(cfg, rank, world_size, accelerator, total)
     from core.dataset.reader import DatasetReader
 
-    reader = DatasetReader(cfg.data)
+    reader = DatasetReader(cfg.data).require_samples()
     teacher = resolve_teacher(cfg, reader)
     lengths = [min(n, cfg.max_length) if cfg.max_length > 0 else n for n in reader.lengths]
-    train_idx, val_idx = split_by_id(reader.sample_ids, cfg.val_fraction, cfg.val_max_samples, cfg.seed)
+    try:
+        train_idx, val_idx = split_by_id(reader.sample_ids, cfg.val_fraction, cfg.val_max_samples, cfg.seed)
+    except ValueError as e:
+        from core.config import ConfigError
+
+        raise ConfigError(f"val_fraction={cfg.val_fraction}, val_max_samples={cfg.val_max_samples} on "
+                          f"{len(reader)} samples: {e}") from None
     batching = dict(tokens_per_batch=cfg.tokens_per_batch, max_samples=cfg.micro_batch_size,
                     mega_batch_samples=cfg.mega_batch_samples, seed=cfg.seed, rank=rank, world_size=world_size)
     sampler = DistributedBucketSampler(train_idx, lengths, grad_accum=cfg.grad_accum, **batching)

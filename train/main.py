@@ -385,8 +385,21 @@ class Trainer:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     cfg = parse_cli(list(sys.argv[1:] if argv is None else argv))
+    check_data(cfg)  # a bad --data is refused before OUT is created
     with output_lock(cfg.out, main_process=int(os.environ.get("RANK", "0")) == 0):
         return _train(cfg)
+
+
+def check_data(cfg: TrainConfig) -> None:
+    """A finished dataset's manifest exists and counts samples (a --stream folder may not exist yet)."""
+    if cfg.stream:
+        return
+    from core.dataset.format import MANIFEST_NAME, DatasetError, load_manifest
+
+    manifest = load_manifest(Path(cfg.data))
+    if not manifest.get("num_samples"):
+        raise DatasetError(f"{Path(cfg.data) / MANIFEST_NAME}: the dataset holds no sample (its extraction skipped "
+                           f"every record: {manifest.get('skipped') or 'none counted'})")
 
 
 def _train(cfg: TrainConfig) -> dict[str, Any]:

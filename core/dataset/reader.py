@@ -119,6 +119,15 @@ class DatasetReader:
                 f"{hdr.path}: feature keys/widths {feature_layout(hdr)} differ from {ref.path} {feature_layout(ref)}"
             )
 
+    def require_samples(self) -> DatasetReader:
+        """This reader, or a DatasetError naming the manifest when the dataset holds no sample (nothing to train or
+        evaluate: its extraction skipped every record)."""
+        if not len(self):
+            skipped = self.manifest.get("skipped") or "none counted"
+            raise DatasetError(f"{self.root / MANIFEST_NAME}: the dataset holds no sample (its extraction skipped "
+                               f"every record: {skipped})")
+        return self
+
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state["_open"] = {}

@@ -1,0 +1,115 @@
+"""Every entry point, given bad input: exit code 2, one line naming the option, file or value, no traceback.
+
+The battery: a missing required option, a path that does not exist, a folder of the wrong kind, an unknown key in
+--config, a bad value, an empty input. Each command runs in-process through its ``cli`` (what ``python -m`` runs),
+so an uncaught exception fails the test as a traceback would fail the user.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+from pathlib import Path
+
+import pytest
+from helpers_models import make_tiny_llama
+from helpers_store import make_dataset
+
+MODULES = {"extract": "extract.__main__", "train": "train.main", "acceptance": "eval.acceptance",
+           "export": "eval.export", "online": "eval.online", "engine_truth": "eval.engine_truth",
+           "serving": "eval.serving", "tune": "eval.tune", "verify_engine": "eval.verify_engine",
+           "verify": "extract.verify"}
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("bad_input")
+    target = make_tiny_llama(root / "target", num_layers=4)
+    ds = root / "ds"
+    make_dataset(ds)
+    manifest = json.loads((ds / "manifest.json").read_text())
+    manifest["target"]["path"] = str(target)  # a dataset whose target exists: errors come from what is bad
+    (ds / "manifest.json").write_text(json.dumps(manifest))
+    empty_ds = root / "empty_ds"
+    make_dataset(empty_ds, shard_lengths=[[]])
+    (root / "folder").mkdir()
+    (root / "bad.yaml").write_text("bogus_key: 1\n")
+    (root / "empty.jsonl").write_text("")
+    (root / "chat.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"},
+                                                             {"role": "assistant", "content": "Hello"}]}) + "\n")
+    return {"root": root, "target": target, "ds": ds, "empty_ds": empty_ds, "folder": root / "folder",
+            "bad": root / "bad.yaml", "empty": root / "empty.jsonl", "chat": root / "chat.jsonl"}
+
+
+def _cases(w: dict[str, Path]) -> list[tuple[str, str, list[str], str]]:
+    """(command, kind, argv, what the one line must name)."""
+    r, t, ds, f, bad = w["root"], str(w["target"]), str(w["ds"]), str(w["folder"]), str(w["bad"])
+    out = str(r / "out")
+    return [
+        ("extract", "missing option", ["--target", t, "--out", out], "data: required"),
+        ("extract", "no such path", ["--target", t, "--data", "/no/such.jsonl", "--out", out], "/no/such.jsonl"),
+        ("extract", "wrong kind of folder", ["--target", f, "--data", str(w["chat"]), "--out", out], f),
+        ("extract", "unknown config key", ["--config", bad], "bogus_key"),
+        ("extract", "bad value", ["--target", t, "--data", "d", "--out", out, "--topk", "zero"], "topk='zero'"),
+        ("extract", "empty input", ["--target", t, "--data", str(w["empty"]), "--out", out], "no record to extract"),
+        ("train", "missing option", ["--out", out], "data is required"),
+        ("train", "no such path", ["--data", "/no/such", "--out", out], "/no/such"),
+        ("train", "wrong kind of folder", ["--data", f, "--out", out], f"{f}/manifest.json"),
+        ("train", "unknown config key", ["--config", bad], "bogus_key"),
+        ("train", "bad value", ["--data", ds, "--out", out, "--lr", "fast"], "lr='fast'"),
+        ("train", "empty input", ["--data", str(w["empty_ds"]), "--out", out], "holds no sample"),
+        ("acceptance", "missing option", ["ckpt"], "--data is required"),
+        ("acceptance", "no such path", ["/no/such", "--data", ds], "/no/such"),
+        ("acceptance", "wrong kind of folder", [f, "--data", ds], f"{f}: not a drafter folder"),
+        ("acceptance", "unknown config key", ["ckpt", "--data", ds, "--config", bad], "bogus_key"),
+        ("acceptance", "bad value", ["ckpt", "--data", ds, "--steps", "x"], "steps='x'"),
+        ("acceptance", "empty input", ["ckpt", "--data", str(w["empty_ds"])], "no sample"),
+        ("export", "missing option", ["ckpt", out], "--format is required"),
+        ("export", "no such path", ["/no/such", out, "--format", "vllm"], "/no/such"),
+        ("export", "wrong kind of folder", [f, out, "--format", "vllm"], f"{f}: not a drafter folder"),
+        ("export", "unknown config key", ["c", "o", "--config", bad], "bogus_key"),
+        ("export", "bad value", ["c", "o", "--format", "tgi"], "invalid choice: 'tgi'"),
+        ("online", "missing option", ["ckpt"], "--data is required"),
+        ("online", "no such path", ["/no/such", "--data", ds], "/no/such"),
+        ("online", "wrong kind of folder", [f, "--data", ds], f),
+        ("online", "unknown config key", ["c", "--data", "d", "--config", bad], "bogus_key"),
+        ("online", "bad value", ["c", "--data", ds, "--engine", "tgi"], "invalid choice: 'tgi'"),
+        ("online", "empty input", ["ckpt", "--data", str(w["empty_ds"])], "no sample"),
+        ("engine_truth", "missing option", ["ckpt"], "--data is required"),
+        ("engine_truth", "no such path", ["/no/such", "--data", ds], "/no/such"),
+        ("engine_truth", "wrong kind of folder", ["ckpt", "--data", f], f"{f}/manifest.json"),
+        ("engine_truth", "unknown config key", ["c", "--data", "d", "--config", bad], "bogus_key"),
+        ("engine_truth", "bad value", ["c", "--data", "d", "--steps", "x"], "steps=['x']"),
+        ("serving", "no such path", ["--prompts", "/no/such.jsonl", "--base", "http://127.0.0.1:9"], "/no/such.jsonl"),
+        ("serving", "unknown config key", ["--config", bad], "bogus_key"),
+        ("serving", "bad value", ["--concurrency", "0"], "concurrency=[0]"),
+        ("tune", "missing option", ["d"], "--target is required"),
+        ("tune", "wrong kind of folder", [f, "--target", t, "--data", f, "--out", out], f"--data {f}: no manifest"),
+        ("tune", "unknown config key", ["d", "--target", t, "--config", bad], "bogus_key"),
+        ("tune", "bad value", ["d", "--target", t, "--steps", "x"], "steps=['x']"),
+        ("verify_engine", "missing option", [], "required: folder"),
+        ("verify_engine", "no such path", ["/no/such", "--engine", "vllm"], "/no/such/config.json: no such file"),
+        ("verify_engine", "unknown config key", ["f", "--config", bad], "bogus_key"),
+        ("verify_engine", "bad value", ["f", "--engine", "tgi"], "invalid choice: 'tgi'"),
+        ("verify", "missing option", [], "required: DIR"),
+        ("verify", "no such path", ["/no/such"], "/no/such is not a directory"),
+        ("verify", "wrong kind of folder", [f], f"{f}/manifest.json: manifest is missing"),
+        ("verify", "unknown config key", ["f", "--config", bad], "bogus_key"),
+    ]
+
+
+def test_every_entry_point_refuses_bad_input_in_one_line(world, capsys, caplog):
+    caplog.set_level(logging.INFO)
+    failures = []
+    for command, kind, argv, named in _cases(world):
+        caplog.clear()
+        capsys.readouterr()
+        rc = importlib.import_module(MODULES[command]).cli(argv)
+        out = capsys.readouterr()
+        errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+        text = "\n".join([*errors, out.err, out.out])
+        if rc != 2 or named not in text or "Traceback" in text:
+            failures.append(f"{command} ({kind}): exit {rc}, wanted 2 naming {named!r}; got: {text.strip()[-400:]}")
+    assert not failures, "\n".join(failures)
+    assert not (world["root"] / "out").exists()  # nothing written half-way
