@@ -154,14 +154,17 @@ class DatasetReader:
             self._open[si] = f
         return f
 
-    def get(self, i: int) -> SampleFeatures:
-        """Sample `i` with int64 ids, bool loss mask, float32 hidden states (fp8 dequantised)."""
+    def _locate(self, i: int) -> tuple[int, int, int, ShardHeader, Any]:
+        """(index, first row, end row, shard header, open shard) of sample ``i`` (negative counts from the end)."""
         if not -len(self) <= i < len(self):
             raise IndexError(f"sample index {i} out of range for {len(self)} samples")
         i %= len(self)
         si, a, b = self._loc[i]
-        hdr = self._headers[si]
-        f = self._handle(si)
+        return i, a, b, self._headers[si], self._handle(si)
+
+    def get(self, i: int) -> SampleFeatures:
+        """Sample `i` with int64 ids, bool loss mask, float32 hidden states (fp8 dequantised)."""
+        i, a, b, hdr, f = self._locate(i)
 
         def rows(key: str) -> torch.Tensor:
             return f.get_slice(key)[a:b]
@@ -190,12 +193,7 @@ class DatasetReader:
     def get_stored(self, i: int) -> StoredSample:
         """Sample `i` as stored (no decoding: the training loader decodes on the device), checked on its stored
         bytes for what the writer refuses (``core.dataset.stored.stored_problems``)."""
-        if not -len(self) <= i < len(self):
-            raise IndexError(f"sample index {i} out of range for {len(self)} samples")
-        i %= len(self)
-        si, a, b = self._loc[i]
-        hdr = self._headers[si]
-        f = self._handle(si)
+        i, a, b, hdr, f = self._locate(i)
 
         def rows(key: str) -> torch.Tensor | None:
             return f.get_slice(key)[a:b] if key in hdr.shapes else None
