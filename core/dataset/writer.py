@@ -364,13 +364,21 @@ def read_shard_info(root: Path, index: int, *, rehash: bool = False) -> ShardInf
     return info
 
 
+_COUNT_BATCH_IDS = 1 << 24  # ids counted per bincount: one pass over the vocabulary per batch, not per shard
+
+
 def count_tokens(shard_paths: list[Path], vocab_size: int) -> torch.Tensor:
-    """int64 [vocab_size] counts of loss-masked tokens, reading only input_ids/loss_mask of each shard."""
+    """int64 [vocab_size] counts of loss-masked tokens, reading only input_ids/loss_mask of each shard.
+
+    The ids of consecutive shards are counted together (up to _COUNT_BATCH_IDS at a time): a bincount over
+    Kimi's 163,840-id vocabulary per shard cost more than reading the shard's ids at 2,000 small shards."""
     counts = torch.zeros(vocab_size, dtype=torch.int64)
+    pending: list[torch.Tensor] = []
+    held = 0
     for path in shard_paths:
         try:
             with safe_open(str(path), framework="pt") as f:
-                ids = f.get_tensor("input_ids").long()
+                ids = f.get_tensor("input_ids")
                 mask = f.get_tensor("loss_mask").bool()
         except SafetensorError as e:
             raise DatasetError(f"{path}: not a readable safetensors file (truncated or corrupt): {e}") from e
@@ -379,7 +387,13 @@ def count_tokens(shard_paths: list[Path], vocab_size: int) -> torch.Tensor:
             raise DatasetError(
                 f"{path}: key 'input_ids' holds id {int(sel.max())} outside vocab_size {vocab_size}"
             )
-        counts += torch.bincount(sel, minlength=vocab_size)
+        pending.append(sel)
+        held += sel.numel()
+        if held >= _COUNT_BATCH_IDS:
+            counts += torch.bincount(torch.cat(pending).long(), minlength=vocab_size)
+            pending, held = [], 0
+    if pending:
+        counts += torch.bincount(torch.cat(pending).long(), minlength=vocab_size)
     return counts
 
 
