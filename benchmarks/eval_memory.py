@@ -110,6 +110,7 @@ def run(args: argparse.Namespace) -> dict:
             assert row["tree-all"]["accepted"] == row["tree"]["accepted"], row  # bounded = unbounded results
         rows.append(row)
     return {"heads": HEADS, "topk": TOPK, "steps": STEPS, "num_draft_tokens": DRAFT_TOKENS, "hidden": args.hidden,
+            "all_at_once_max_bytes": args.all_at_once_max_bytes,
             "tree_score_bytes": __import__("eval.simulate", fromlist=["x"]).TREE_SCORE_BYTES, "rows": rows}
 
 
@@ -122,7 +123,8 @@ def render(report: dict) -> str:
              "| T | chain | tree, bounded (now) | tree, all positions at once (before) | its scores alone |",
              "|---:|---:|---:|---:|---:|"]
     for r in report["rows"]:
-        before = (f"{r['tree-all']['peak_rss_bytes'] / gib:.2f} GiB" if "tree-all" in r else "not run (does not fit)")
+        before = (f"{r['tree-all']['peak_rss_bytes'] / gib:.2f} GiB" if "tree-all" in r
+                  else f"not run (> {report.get('all_at_once_max_bytes', 6 << 30) / gib:.0f} GiB of scores)")
         lines.append(f"| {r['seq']} | {r['chain']['peak_rss_bytes'] / gib:.2f} GiB | "
                      f"{r['tree']['peak_rss_bytes'] / gib:.2f} GiB ({r['tree']['seconds']:.0f} s) | {before} | "
                      f"{r['all_at_once_score_bytes'] / gib:.1f} GiB |")
