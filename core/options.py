@@ -50,7 +50,8 @@ def _unoptional(hint: Any) -> tuple[Any, bool]:
     return hint, False
 
 
-def _split_commas(values: list[Any]) -> list[Any]:
+def split_commas(values: list[Any]) -> list[Any]:
+    """List items, each string item split at commas (``--data a,b --data c`` -> a, b, c)."""
     out: list[Any] = []
     for v in values:
         out.extend(p.strip() for p in v.split(",") if p.strip()) if isinstance(v, str) else out.append(v)
@@ -80,9 +81,9 @@ def _convert(value: Any, hint: Any) -> Any:
         raise ValueError("expected a boolean (true/false)")
     if origin is list or hint is list:
         (inner,) = typing.get_args(hint) or (str,)
-        return [_convert(v, inner) for v in _split_commas(value if isinstance(value, list) else [value])]
+        return [_convert(v, inner) for v in split_commas(value if isinstance(value, list) else [value])]
     if origin is tuple:
-        items = _split_commas(value if isinstance(value, (list, tuple)) else [value])
+        items = split_commas(value if isinstance(value, (list, tuple)) else [value])
         elems = typing.get_args(hint)
         if len(items) != len(elems):
             raise ValueError(f"expected {len(elems)} comma-separated values")

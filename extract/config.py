@@ -17,7 +17,7 @@ from typing import Any
 from core import options
 from core.config import ByteSize, ConfigError
 from core.embedded import SELF_DATA
-from core.options import option
+from core.options import option, split_commas
 
 
 def _section(group: str) -> Any:
@@ -172,8 +172,8 @@ class ExtractConfig:
 
     def validate(self) -> ExtractConfig:
         """Normalise list options and check values; raises ConfigError naming the key."""
-        self.data = _split_commas(self.data)
-        self.teacher = _split_commas(self.teacher)
+        self.data = split_commas(self.data)
+        self.teacher = split_commas(self.teacher)
         if not self.target:
             raise ConfigError("target: required (a built-in name or a local model folder)")
         if not self.data:
@@ -207,9 +207,9 @@ class ExtractConfig:
             raise ConfigError(problem)
         if self.regen_kv_cache_gb <= 0:
             raise ConfigError(f"regen_kv_cache_gb: must be > 0, got {self.regen_kv_cache_gb}")
-        self.self_categories = _split_commas(self.self_categories)
-        self.self_decontaminate = _split_commas(self.self_decontaminate)
-        self.decontaminate = _split_commas(self.decontaminate)
+        self.self_categories = split_commas(self.self_categories)
+        self.self_decontaminate = split_commas(self.self_decontaminate)
+        self.decontaminate = split_commas(self.decontaminate)
         if SELF_DATA in self.decontaminate:
             raise ConfigError(f"decontaminate: {SELF_DATA!r} is not an evaluation input (name mtbench or a file)")
         if SELF_DATA in self.data:
@@ -236,13 +236,6 @@ class ExtractConfig:
                               "e.g. http://HOST:30000)")
         self.rank, self.world_size = resolve_rank(self.rank, self.world_size)
         return self
-
-
-def _split_commas(values: list[Any]) -> list[Any]:
-    out: list[Any] = []
-    for v in values:
-        out.extend(p.strip() for p in v.split(",") if p.strip()) if isinstance(v, str) else out.append(v)
-    return out
 
 
 def resolve_rank(rank: int, world_size: int) -> tuple[int, int]:
