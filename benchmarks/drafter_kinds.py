@@ -1,4 +1,5 @@
-"""Llama-style against MLA drafter, side by side on the same data and budget (issue 22 item 5).
+"""Drafter kinds side by side on the same data and budget: Llama-style against MLA attention (issue 22 item 5),
+each as EAGLE-3, EAGLE-3.1 and P-EAGLE (issue 36; ``methods`` in the config; P-EAGLE Llama-style only).
 
 A benchmark, not a test. For each target (default: SmolLM2-135M, a Llama, and kimi-k25-mini, the Kimi-K2.5-
 shaped MLA MoE), the real CLIs run as subprocesses:
@@ -6,7 +7,8 @@ shaped MLA MoE), the real CLIs run as subprocesses:
   * training data: chitchat first exchanges answered by the target (``python -m extract --regenerate``,
     greedy), checked against MT-bench (``--decontaminate mtbench``); held out: MT-bench first turns answered
     greedily by the target (an exact evaluation);
-  * per attention kind (``gqa``, ``mla``) and seed: ``train/main.py --drafter-attention KIND`` for the same
+  * per attention kind (``gqa``, ``mla``), method (``eagle3``, ``eagle3.1``, ``p-eagle``) and seed: ``train/main.py
+    --drafter-attention KIND --drafter-method METHOD`` for the same
     number of steps on the same data (the same token budget: the bucket sampler depends on the data and
     the seed only);
   * ``python -m eval.acceptance --split all`` on the held-out set: tau for a chain of ``chain_steps``
@@ -15,7 +17,9 @@ shaped MLA MoE), the real CLIs run as subprocesses:
     non-MLA target), seed 0 in vLLM CPU (``python -m eval.online``): the engine's own tau on the same prompts.
 
 Reported per target and kind: trainable parameters, draft KV-cache bytes per token in bf16, seconds per
-training step (median over the logged windows), tau offline (mean, std and range over the seeds) and online.
+training step (median over the logged windows), tau offline (mean, std and range over the seeds) and online,
+and, where vLLM CPU serves the pair, seed 0's speed-up over the target alone at each ``speedup_concurrency``
+(``serve.tune`` at chain ``chain_steps``: tokens/s with the drafter over without, the same prompts).
 Reruns with the same --out reuse finished stages (retrain_gain's stage markers).
 
     python benchmarks/drafter_kinds.py --out runs/drafter-kinds --threads 2
@@ -57,6 +61,7 @@ log = logging.getLogger("bench.drafter_kinds")
 
 DEFAULT_CONFIG = ROOT / "configs/demo/drafter_kinds.yaml"
 KINDS = ("gqa", "mla")
+METHODS = ("eagle3", "eagle3.1", "p-eagle")
 GQA_ONLY = ("num_key_value_heads", "head_dim")  # train keys an MLA drafter must not get
 
 
@@ -87,8 +92,13 @@ class KindsConfig:
     steps: int = 150
     seeds: int = 3
     chain_steps: int = 3
+    methods: list[str] = field(default_factory=lambda: ["eagle3"])  # drafter methods trained per attention kind
     train_jobs: int = 2
     train_overrides: dict[str, Any] = field(default_factory=dict)
+    # speed-up over the target alone, seed 0 of every pair vLLM CPU serves: serve.tune at chain_steps
+    speedup_concurrency: list[int] = field(default_factory=lambda: [1, 4])  # empty: no speed-up stage
+    speedup_prompts: int = 8
+    speedup_repeats: int = 1
 
     @classmethod
     def load(cls, path: Path, overrides: dict[str, Any]) -> KindsConfig:
@@ -106,12 +116,25 @@ class KindsConfig:
             targets.append(TargetSpec(**t))
         if not targets:
             raise BenchError(f"{path}: 'targets' is empty")
+        bad_methods = sorted(set(raw.get("methods") or []) - set(METHODS))
+        if bad_methods:
+            raise BenchError(f"{path}: methods {bad_methods} are not drafter methods {list(METHODS)}")
         cfg = cls(targets=targets, **raw)
         return dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
 
 
 def target_slug(spec: TargetSpec) -> str:
     return Path(spec.name).name
+
+
+def variants(cfg: KindsConfig) -> list[tuple[str, str, str]]:
+    """(name, attention, method) of every drafter trained per target: "gqa", "mla", "gqa-eagle3.1", ...; p-eagle
+    with the attention kinds that vLLM drafts in parallel only (core.drafter.config.PARALLEL_ATTENTION)."""
+    from core.drafter.config import PARALLEL_ATTENTION
+
+    return [(kind if method == "eagle3" else f"{kind}-{method}", kind, method)
+            for method in cfg.methods for kind in KINDS
+            if method != "p-eagle" or kind in PARALLEL_ATTENTION]
 
 
 # ----------------------------------------------------------------------------- commands
@@ -129,10 +152,12 @@ def extract_cmd(cfg: KindsConfig, target: str, data: str, out: Path, *, max_samp
     return cmd
 
 
-def train_cmd(cfg: KindsConfig, spec: TargetSpec, kind: str, seed: int, data: Path, out: Path) -> list[str]:
+def train_cmd(cfg: KindsConfig, spec: TargetSpec, kind: str, seed: int, data: Path, out: Path,
+              method: str = "eagle3") -> list[str]:
     cmd = [sys.executable, "train/main.py", "--config", str(ROOT / spec.train_config), "--data", str(data),
            "--out", str(out), "--max-steps", str(cfg.steps), "--seed", str(seed), "--drafter-attention", kind,
-           "--resume", "auto", "--report-to", "none", "--save-every", "0", "--eval-every", "0"]
+           "--drafter-method", method, "--resume", "auto", "--report-to", "none", "--save-every", "0",
+           "--eval-every", "0"]
     for k, v in cfg.train_overrides.items():
         cmd += [f"--{k}", str(v)]
     if kind == "mla":
@@ -198,13 +223,14 @@ def run_target(cfg: KindsConfig, spec: TargetSpec, work: Path, stages: Stages, t
     stages.run(f"{slug}-extract-mtbench", extract_cmd(cfg, spec.name, "mtbench", held_out,
                                                       max_samples=cfg.eval_prompts, backend="hf", training=False),
                has_manifest(held_out))
-    runs = {(kind, seed): base / "runs" / f"{kind}.s{seed}" for kind in KINDS for seed in range(cfg.seeds)}
+    kinds = {name: (kind, method) for name, kind, method in variants(cfg)}
+    runs = {(name, seed): base / "runs" / f"{name}.s{seed}" for name in kinds for seed in range(cfg.seeds)}
     jobs = max(1, cfg.train_jobs)
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        futures = [pool.submit(stages.run, f"{slug}-train-{kind}.s{seed}",
-                               train_cmd(cfg, spec, kind, seed, train, out), train_done(out, cfg.steps),
-                               max(1, threads // jobs))
-                   for (kind, seed), out in runs.items()]
+        futures = [pool.submit(stages.run, f"{slug}-train-{name}.s{seed}",
+                               train_cmd(cfg, spec, kinds[name][0], seed, train, out, kinds[name][1]),
+                               train_done(out, cfg.steps), max(1, threads // jobs))
+                   for (name, seed), out in runs.items()]
         for f in futures:
             f.result()
     acc_json = base / "acceptance.json"
@@ -214,14 +240,53 @@ def run_target(cfg: KindsConfig, spec: TargetSpec, work: Path, stages: Stages, t
                lambda: acc_json.is_file())
     offline = json.loads(acc_json.read_text())
     online: dict[str, Any] = {}
-    for kind in spec.online:
+    for kind in [name for name, (attention, _) in kinds.items() if attention in spec.online]:
         out = base / f"online-{kind}.json"
         stages.run(f"{slug}-online-{kind}", [sys.executable, "-m", "eval.online", str(runs[(kind, 0)]), "--data",
                                              str(held_out), "--split", "all", "--steps", str(cfg.chain_steps),
                                              "--speed-samples", "0", "--json", str(out)],
                    lambda out=out: out.is_file())
         online[kind] = json.loads(out.read_text())
+        if cfg.speedup_concurrency:
+            online[kind]["speedup"] = measure_speedup(cfg, spec, f"{slug}-{kind}", runs[(kind, 0)], held_out,
+                                                      base / f"speedup-{kind}", stages)
     return summarise(cfg, spec, runs, offline, online)
+
+
+def measure_speedup(cfg: KindsConfig, spec: TargetSpec, name: str, run: Path, traffic: Path, out: Path,
+                    stages: Stages) -> dict[str, Any]:
+    """Speed-up over the target alone at each ``speedup_concurrency``, chain ``chain_steps``: the real CLIs
+    (eval.export for vLLM, eval.acceptance --json on the same prompts, serve.tune), vLLM CPU's servers."""
+    export, offline, tune = out / "export", out / "offline.json", out / "tune"
+    stages.run(f"{name}-export", [sys.executable, "-m", "eval.export", str(run), str(export), "--format", "vllm",
+                                  "--target", spec.name, "--force", "-q"],
+               lambda: (export / "redraft.json").is_file())
+    stages.run(f"{name}-offline", [sys.executable, "-m", "eval.acceptance", str(run), "--data", str(traffic),
+                                   "--split", "all", "--max-samples", str(cfg.speedup_prompts), "--steps",
+                                   str(cfg.chain_steps), "--engine", "vllm", "--no-progress", "--json", str(offline)],
+               lambda: offline.is_file())
+    stages.run(f"{name}-tune", [sys.executable, "-m", "serve.tune", str(export), "--target", spec.name, "--data",
+                                str(traffic), "--offline", str(offline), "--num-prompts", str(cfg.speedup_prompts),
+                                "--steps", str(cfg.chain_steps), "--concurrency",
+                                ",".join(map(str, cfg.speedup_concurrency)), "--repeats", str(cfg.speedup_repeats),
+                                "--out", str(tune)],
+               lambda: (tune / "report.json").is_file())
+    return speedups(json.loads((tune / "report.json").read_text()), cfg.chain_steps)
+
+
+def speedups(report: dict[str, Any], steps: int) -> dict[str, Any]:
+    """{concurrency: median speed-up (and the engine's tau) of chain ``steps``} from a serve.tune report."""
+    out: dict[str, Any] = {}
+    for level in report["answer"]["per_concurrency"]:
+        for setting in level["settings"]:
+            if setting["k"] == steps:
+                out[str(level["concurrency"])] = {"speedup": setting["speedup"]["median"],
+                                                  "speedup_range": [setting["speedup"]["min"],
+                                                                    setting["speedup"]["max"]],
+                                                  "tau_engine": setting["tau_engine"]}
+    if not out:
+        raise BenchError(f"serve.tune's report has no chain of {steps}")
+    return out
 
 
 def _offline_entry(offline: dict[str, Any], run: Path) -> dict[str, Any]:
@@ -234,7 +299,7 @@ def _offline_entry(offline: dict[str, Any], run: Path) -> dict[str, Any]:
 def summarise(cfg: KindsConfig, spec: TargetSpec, runs: dict[tuple[str, int], Path], offline: dict[str, Any],
               online: dict[str, Any]) -> dict[str, Any]:
     rows = {}
-    for kind in KINDS:
+    for kind, _, method in variants(cfg):
         taus, rates, facts = [], [], []
         for seed in range(cfg.seeds):
             res = _offline_entry(offline, runs[(kind, seed)])
@@ -244,6 +309,7 @@ def summarise(cfg: KindsConfig, spec: TargetSpec, runs: dict[tuple[str, int], Pa
         on = online.get(kind)
         rows[kind] = {
             **{k: facts[0][k] for k in ("attention", "architecture", "params", "kv_bytes_per_token")},
+            "method": method,
             "seconds_per_step": spread([f["seconds_per_step"] for f in facts if f["seconds_per_step"]]),
             "tau_offline": spread(taus),
             "accept_rate_offline_mean": [statistics.fmean(r[k] for r in rates) for k in range(cfg.chain_steps)],
@@ -251,14 +317,17 @@ def summarise(cfg: KindsConfig, spec: TargetSpec, runs: dict[tuple[str, int], Pa
             "online_same_as_data": f"{on['same_as_data']}/{on['requests']}" if on else None,
             "tau_online_seed0_same_tokens": on["same_tokens"]["tau"] if on else None,
             "tau_offline_seed0": taus[0],
+            "speedup_seed0": on.get("speedup") if on else None,
         }
     return {"target": spec.name, "kinds": rows}
 
 
 def markdown(report: dict[str, Any]) -> str:
+    conc = report["config"].get("speedup_concurrency") or []
     head = ("| target | drafter | parameters | draft KV bytes/token (bf16) | s/step | tau offline, mean ± std "
-            f"(min–max, {report['config']['seeds']} seeds) | P(accept) 1..K | tau online, vLLM CPU (seed 0) |")
-    lines = [head, "|---|---|---:|---:|---:|---:|---|---:|"]
+            f"(min–max, {report['config']['seeds']} seeds) | P(accept) 1..K | tau online, vLLM CPU (seed 0) |"
+            + "".join(f" speed-up at concurrency {c} (seed 0) |" for c in conc))
+    lines = [head, "|---|---|---:|---:|---:|---:|---|---:|" + "---:|" * len(conc)]
     for t in report["targets"]:
         for kind, r in t["kinds"].items():
             tau = r["tau_offline"]
@@ -267,11 +336,20 @@ def markdown(report: dict[str, Any]) -> str:
                       f"{r['online_same_as_data']} replies as stored)" if r["tau_online_seed0"] is not None
                       else "not served by vLLM CPU with this target")
             lines.append(
-                f"| {t['target']} | {kind} ({r['architecture']}) | {r['params'] / 1e6:.2f}M | "
+                f"| {t['target']} | {kind} ({r['architecture']}, {r.get('method', 'eagle3')}) | {r['params'] / 1e6:.2f}M | "
                 f"{r['kv_bytes_per_token']:,} | {s['mean']:.2f} | {tau['mean']:.3f} ± {tau['std']:.3f} "
                 f"({tau['min']:.3f}–{tau['max']:.3f}) | "
-                f"{' / '.join(f'{x:.3f}' for x in r['accept_rate_offline_mean'])} | {online} |")
+                f"{' / '.join(f'{x:.3f}' for x in r['accept_rate_offline_mean'])} | {online} |"
+                + "".join(f" {_speedup_cell(r.get('speedup_seed0'), c)} |" for c in conc))
     return "\n".join(lines) + "\n"
+
+
+def _speedup_cell(speedup: dict[str, Any] | None, concurrency: int) -> str:
+    got = (speedup or {}).get(str(concurrency))
+    if got is None:
+        return "—"
+    lo, hi = got["speedup_range"]
+    return f"{got['speedup']:.2f}x" + (f" ({lo:.2f}–{hi:.2f})" if hi > lo else "")
 
 
 def run(cfg: KindsConfig, work: Path, threads: int) -> dict[str, Any]:

@@ -137,7 +137,7 @@ class Bare:
     """The target's decoder stack alone, loaded as the stage's hf backend loads it."""
 
     def __init__(self, target: str, dtype: str) -> None:
-        from core.embedded import resolve_target
+        from catalog.builtin import resolve_target
         from extract.backends.hf import HFTarget
 
         self.hf = HFTarget(str(resolve_target(target)), name=target, dtype=dtype, device="cpu")

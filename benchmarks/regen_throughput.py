@@ -61,7 +61,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def load_prompts(tokenizer: Any, data: str, n: int, max_length: int) -> list[list[int]]:
     """The first user turn of the first n records, rendered as regeneration renders it."""
-    from core.embedded import resolve_data
+    from catalog.builtin import resolve_data
     from extract.chat import encode_prompt
     from extract.records import read_records
 
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    from core.embedded import resolve_target
+    from catalog.builtin import resolve_target
     from core.engines.vllm import EngineSettings, VLLMServer
     from extract.backends.base import GenerationConfig
     from extract.backends.hf import HFTarget

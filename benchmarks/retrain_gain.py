@@ -244,7 +244,7 @@ def first_exchanges(n: int, out: Path, max_prompt_chars: int, skip: int = 0) -> 
     passes over the first usable conversations (the training prompts, for the held-out set).
     Closeness to MT-bench is checked by extract itself (``--decontaminate``, cfg.decontaminate).
     """
-    from core.embedded import resolve_data
+    from catalog.builtin import resolve_data
 
     src = resolve_data("chitchat")
     rows: list[dict[str, Any]] = []

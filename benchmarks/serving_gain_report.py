@@ -1,7 +1,7 @@
 """Numbers and outputs of ``benchmarks/serving_gain.py``: repeats pooled per server and concurrency, ratios to base.
 
 Kept apart from the runner so the arithmetic can be read (and checked) without a server. The pooling over
-the interleaved repeats is ``eval.serving_repeats``' (shared with ``eval.tune``); start-up (server start until
+the interleaved repeats is ``serve.repeats``' (shared with ``serve.tune``); start-up (server start until
 ``/v1/models`` answers) stays apart from every rate, median with min and max.
 """
 
@@ -13,16 +13,16 @@ from typing import Any
 
 from core.atomic import atomic_write_text
 from core.plotting import atomic_write_png, pyplot
-from eval.serving_repeats import BASE, pool_server
-from eval.serving_report import render_markdown_table as markdown_table
-from eval.serving_report import tokens_axes
+from serve.repeats import BASE, pool_server
+from serve.report import render_markdown_table as markdown_table
+from serve.report import tokens_axes
 
 DEFINITIONS = {
-    "aggregate_tok_s": "sum of completion tokens / wall time of the setting (eval.serving); median over repeats",
-    "per_stream_tok_s": "mean over requests of completion tokens / latency (eval.serving); median over repeats",
+    "aggregate_tok_s": "sum of completion tokens / wall time of the setting (serve.bench); median over repeats",
+    "per_stream_tok_s": "mean over requests of completion tokens / latency (serve.bench); median over repeats",
     "single_stream_tok_s": "per-stream tokens/s at concurrency 1 (the seed's 'single stream')",
     "peak_tok_s": "highest aggregate tokens/s over the concurrency sweep (the seed's 'peak')",
-    "ttft_ms, tpot_ms": "eval.serving's percentiles per repeat, median over repeats",
+    "ttft_ms, tpot_ms": "serve.bench's percentiles per repeat, median over repeats",
     "accept_length": "tau = 1 + accepted / drafts of the /metrics spec-decode counters' differences around each "
                      "setting, summed over repeats (the engine's own number); n/a: no drafter",
     "accept_per_pos": "accepted at draft position k / drafts, same counters",

@@ -39,7 +39,7 @@ def sequences(tokenizer: Any, vocab_size: int, turns: int = 6, random_ids: int =
     """MT-bench first turns rendered with the target's template, and a run of arbitrary ids in its vocabulary."""
     import torch
 
-    from core.embedded import mtbench_records
+    from catalog.builtin import mtbench_records
 
     seqs = [list(tokenizer.apply_chat_template([{"role": "user", "content": r["turns"][0]}], tokenize=True,
                                                add_generation_prompt=True, return_dict=False))
@@ -102,8 +102,8 @@ def timed_default_capture(path: Path, seqs: list[list[int]], python: str | None,
 
 def measure_target(name: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from benchmarks.capture_speed import compare_captures
+    from catalog.builtin import resolve_target
     from core import layers
-    from core.embedded import resolve_target
 
     if name == DEEPSEEK6:
         sys.path.insert(0, str(ROOT / "tests"))

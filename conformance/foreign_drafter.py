@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from core.layers import ENGINES, to_engine_layer_ids
+
 LLAMA_ARCH = "LlamaForCausalLMEagle3"
 MLA_ARCH = "Eagle3DeepseekV2ForCausalLM"
 WEIGHTS = "model.safetensors"
@@ -33,6 +35,22 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 # Kimi-K2.x's long-context rope (yarn over a 4096-token original context)
 KIMI_YARN = {"type": "yarn", "rope_type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096,
              "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+KIMI_TARGET_ARCH, KIMI_TARGET_LAYERS = "KimiK25ForConditionalGeneration", 61
+SMOLLM_TARGET_ARCH, SMOLLM_TARGET_LAYERS = "LlamaForCausalLM", 30  # SmolLM2-135M, the demo's target
+
+
+def config_layer_ids(ours: Sequence[int], architecture: str, num_layers: int,
+                     engines: Sequence[str] = ENGINES) -> tuple[int, ...]:
+    """The config.json ids that make each of ``engines`` capture our layer ids ``ours``.
+
+    Derived by ``core.layers.to_engine_layer_ids`` (the rule's one home), not written out here; a preset
+    whose folder every engine reads must mean the same layers to each, so the engines must agree.
+    """
+    got = {tuple(to_engine_layer_ids(ours, e, architecture, num_layers)) for e in engines}
+    if len(got) != 1:
+        raise ValueError(f"our layer ids {list(ours)} ({architecture}) need different config ids per engine: "
+                         f"{sorted(got)}; name the engine whose layout the folder stands for")
+    return got.pop()
 
 
 @dataclass(frozen=True)
@@ -158,18 +176,20 @@ class MlaShape:
 
 PRESETS: dict[str, LlamaShape | MlaShape] = {
     "llama-tiny": LlamaShape(),
-    # the demo drafter's shape (configs/demo/train.yaml on SmolLM2-135M) with SGLang's config ids for our
-    # [1, 14, 26]: for a Llama target they are the same numbers (SGLang's llama.py adds the 1 itself)
+    # the demo drafter's shape (configs/demo/train.yaml on SmolLM2-135M) in SGLang's layout, so SGLang's
+    # config ids for our [1, 14, 26] (vLLM would read these as our [0, 13, 25] for a Llama target)
     "llama-smollm": LlamaShape(hidden=576, heads=9, kv_heads=3, head_dim=64, intermediate=768, vocab=49152,
-                               draft_vocab=4096, target_hidden=576, aux_layer_ids=(1, 14, 26), max_positions=8192),
+                               draft_vocab=4096, target_hidden=576, max_positions=8192,
+                               aux_layer_ids=config_layer_ids((1, 14, 26), SMOLLM_TARGET_ARCH,
+                                                              SMOLLM_TARGET_LAYERS, engines=("sglang",))),
     "mla-tiny": MlaShape(),
     "mla-tiny-direct-q": MlaShape(q_lora_rank=None),
-    # Kimi-K2.5's MLA drafter: a 61-layer target; [2, 30, 58] means our [1, 29, 57] to both engines (SGLang's
-    # deepseek_v2.py takes ids not starting at 1 as given), the target's yarn rope
+    # Kimi-K2.5's MLA drafter: a 61-layer target, our ids [1, 29, 57] (the same config ids to both engines,
+    # checked by config_layer_ids), the target's yarn rope
     "mla-kimi": MlaShape(hidden=7168, heads=64, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
                          qk_rope_head_dim=64, v_head_dim=128, intermediate=18432, vocab=163840, draft_vocab=32000,
-                         target_hidden=7168, aux_layer_ids=(2, 30, 58), max_positions=262144,
-                         rope_scaling=KIMI_YARN),
+                         target_hidden=7168, max_positions=262144, rope_scaling=KIMI_YARN,
+                         aux_layer_ids=config_layer_ids((1, 29, 57), KIMI_TARGET_ARCH, KIMI_TARGET_LAYERS)),
 }
 
 
@@ -182,7 +202,8 @@ def kimi_k25_target_config() -> dict[str, Any]:
     """
     text = {
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2", "vocab_size": 163840,
-        "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+        "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+        "num_hidden_layers": KIMI_TARGET_LAYERS,
         "num_attention_heads": 64, "num_key_value_heads": 64, "n_routed_experts": 384, "n_shared_experts": 1,
         "num_experts_per_tok": 8, "first_k_dense_replace": 1, "moe_layer_freq": 1, "n_group": 1, "topk_group": 1,
         "routed_scaling_factor": 2.827, "scoring_func": "sigmoid", "topk_method": "noaux_tc", "norm_topk_prob": True,
@@ -191,7 +212,7 @@ def kimi_k25_target_config() -> dict[str, Any]:
         "rope_theta": 50000.0, "rope_scaling": dict(KIMI_YARN), "tie_word_embeddings": False,
         "torch_dtype": "bfloat16",
     }
-    return {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25", "text_config": text,
+    return {"architectures": [KIMI_TARGET_ARCH], "model_type": "kimi_k25", "text_config": text,
             "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
 
 

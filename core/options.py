@@ -226,3 +226,37 @@ def parse(cls: type[T], argv: Sequence[str] | None, *, prog: str, description: s
         if isinstance(result, cls):
             instance = result
     return instance
+
+
+def _flag_value(value: Any) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return ",".join(str(v) for v in value)
+    if isinstance(value, dict):
+        return json.dumps(value)
+    return str(value)
+
+
+def to_argv(instance: Any, cls: type | None = None, *, skip: Sequence[str] = ()) -> list[str]:
+    """The command line that :func:`parse` reads back as ``instance`` (for ``cls``'s options, default its own
+    class; ``skip`` left out): positionals first, then each option that differs from its default. What a command
+    that runs another command passes on, so that no option list is written twice."""
+    cls = cls or type(instance)
+    positional: list[str] = []
+    flags: list[str] = []
+    for f in dataclasses.fields(cls):
+        if "group" not in f.metadata or f.name in skip:
+            continue
+        value = getattr(instance, f.name)
+        if f.metadata.get("positional"):
+            positional += [str(v) for v in value] if isinstance(value, list) else [str(value)]
+            continue
+        default = f.default if f.default is not MISSING else (
+            f.default_factory() if f.default_factory is not MISSING else MISSING)  # type: ignore[misc]
+        if default is not MISSING and value == default:
+            continue
+        flags += ["--" + f.name.replace("_", "-"), _flag_value(value)]
+    return positional + flags

@@ -372,6 +372,9 @@ def evaluate(
                         engine, rejection_sampling, max_new_tokens)
     settings.check()
     drafter, folder, record = load_drafter(checkpoint_path, reader, target=target, device=device, dtype=dtype)
+    if drafter.config.parallel and (settings.topk > 1 or settings.engine != "vllm"):
+        raise AcceptanceError(f"{checkpoint_path}: a p-eagle drafter is served by vLLM's parallel drafting only (one "
+                              "chain, no tree; SGLang 0.5.23 has none): use --engine vllm and --topk 1")
     split_desc = "given"
     if indices is None:
         indices, split_desc = select_samples(reader, [record], split, max_samples)

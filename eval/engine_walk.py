@@ -57,6 +57,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from core.alignment import step_offset
+from core.answers import answer_runs, engine_stop  # noqa: F401  (the walk's rules 1 and 4)
+
 
 @dataclass
 class WalkStats:
@@ -115,34 +118,6 @@ class WalkStats:
         }
 
 
-def answer_runs(loss_mask: torch.Tensor) -> list[tuple[int, int]]:
-    """[(a, e)]: each maximal run of assistant tokens (inclusive), one engine request each.
-
-    A run starting at index 0 has no prompt and is skipped (an engine cannot be asked for it).
-    """
-    lm = [bool(v) for v in loss_mask.tolist()]
-    runs, t = [], 0
-    while t < len(lm):
-        if lm[t]:
-            a = t
-            while t + 1 < len(lm) and lm[t + 1]:
-                t += 1
-            if a > 0:
-                runs.append((a, t))
-        t += 1
-    return runs
-
-
-def engine_stop(ids: list[int], argmax: list[int], a: int, e: int, max_new_tokens: int | None = None) -> int:
-    """Index of the last answer token an engine returns for the answer ``[a, e]`` (rule 4).
-
-    ``e``, unless the stored last token is not the target's argmax (an answer cut at generation and
-    closed by the chat template): then ``e - 1``. ``max_new_tokens`` (the engine's max_tokens) caps it.
-    """
-    stop = e - 1 if e > a and ids[e] != argmax[e - 1] else e
-    return stop if not max_new_tokens or max_new_tokens <= 0 else min(stop, a + max_new_tokens - 1)
-
-
 def walk_chain(
     drafts: torch.Tensor, input_ids: torch.Tensor, argmax: torch.Tensor, loss_mask: torch.Tensor, *,
     max_new_tokens: int | None = None,
@@ -160,7 +135,7 @@ def walk_chain(
     def accepted_at(p: int) -> int:
         d, n = d_rows[p], 0
         for k in range(steps):
-            r = p + 1 + k  # argmax row that verifies draft k (it predicts token r + 1)
+            r = p + step_offset(k)  # argmax row that verifies draft k (it predicts token r + 1)
             if r >= n_tok:
                 st.unverifiable += 1
                 break

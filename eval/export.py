@@ -22,7 +22,6 @@ import hashlib
 import json
 import logging
 import os
-import shlex
 import shutil
 import sys
 from collections.abc import Mapping, Sequence
@@ -54,6 +53,14 @@ from core.drafter.serving_format import (
     serving_config,
     torch_dtype_of,
 )
+from core.engines.launch import (  # noqa: F401
+    CAP_NOTE,
+    LaunchError,
+    LaunchPlan,
+    launch_command,
+    sglang_command,
+    vllm_command,
+)
 from core.layers import to_engine_layer_ids
 from core.options import option
 from core.target_weights import text_config, weight_key_candidates
@@ -61,88 +68,9 @@ from core.target_weights import text_config, weight_key_candidates
 log = logging.getLogger(__name__)
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-CAP_NOTE = ("# --max-running-requests and --cuda-graph-max-bs are explicit on purpose: without them SGLang "
-            "caps speculative serving at 48 concurrent requests.")
-
 
 class ExportError(ValueError):
     """An export that cannot be done as asked (bad input folder, OUT in the way, bad serving flags)."""
-
-
-# ----------------------------------------------------------------------------- serving command
-
-
-@dataclass
-class LaunchPlan:
-    """Speculative-decoding flags for the printed serving command."""
-
-    steps: int = 3
-    topk: int = 1
-    num_draft_tokens: int | None = None  # None: steps + 1 when topk is 1 (SGLang forces that)
-    tp: int = 1
-    max_running_requests: int = 128
-    cuda_graph_max_bs: int | None = None  # None: max_running_requests
-    trust_remote_code: bool = False
-
-    def resolved(self) -> LaunchPlan:
-        """Validated copy with the defaults filled; SGLang's own rules become errors, not silent changes."""
-        for name in ("steps", "topk", "tp", "max_running_requests"):
-            if int(getattr(self, name)) < 1:
-                raise ExportError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        tokens = self.num_draft_tokens
-        if self.topk == 1:
-            if tokens is not None and tokens != self.steps + 1:
-                raise ExportError(
-                    f"--num-draft-tokens {tokens}: with --topk 1 SGLang forces it to steps + 1 = {self.steps + 1}"
-                )
-            tokens = self.steps + 1
-        elif tokens is None:
-            raise ExportError(f"--topk {self.topk} (tree drafting) needs an explicit --num-draft-tokens")
-        elif tokens < 2:
-            raise ExportError(f"--num-draft-tokens must be >= 2, got {tokens}")
-        graph_bs = self.cuda_graph_max_bs if self.cuda_graph_max_bs is not None else self.max_running_requests
-        if graph_bs < 1:
-            raise ExportError(f"--cuda-graph-max-bs must be >= 1, got {graph_bs}")
-        if graph_bs > self.max_running_requests:
-            log.warning("--cuda-graph-max-bs %d exceeds --max-running-requests %d: graphs above %d are never used",
-                        graph_bs, self.max_running_requests, self.max_running_requests)
-        return replace(self, num_draft_tokens=tokens, cuda_graph_max_bs=graph_bs)
-
-
-def sglang_command(target: str, draft: str, plan: LaunchPlan) -> str:
-    """``python -m sglang.launch_server ...`` serving ``target`` with the EAGLE-3 drafter at ``draft``."""
-    p = plan.resolved()
-    args = [
-        "python", "-m", "sglang.launch_server", "--model-path", target,
-        "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", draft,
-        "--speculative-num-steps", str(p.steps), "--speculative-eagle-topk", str(p.topk),
-        "--speculative-num-draft-tokens", str(p.num_draft_tokens), "--tp", str(p.tp),
-        "--max-running-requests", str(p.max_running_requests), "--cuda-graph-max-bs", str(p.cuda_graph_max_bs),
-    ]
-    if p.trust_remote_code:
-        args.append("--trust-remote-code")
-    return " ".join(shlex.quote(a) for a in args)
-
-
-def vllm_command(target: str, draft: str, plan: LaunchPlan) -> str:
-    """``vllm serve ...`` with an eagle3 speculative config (vLLM drafts a chain of ``steps`` tokens)."""
-    p = plan.resolved()
-    spec = json.dumps({"method": "eagle3", "model": draft, "num_speculative_tokens": p.steps})
-    args = ["vllm", "serve", target, "--speculative-config", spec, "--tensor-parallel-size", str(p.tp),
-            "--max-num-seqs", str(p.max_running_requests)]
-    if p.trust_remote_code:
-        args.append("--trust-remote-code")
-    return " ".join(shlex.quote(a) for a in args)
-
-
-def launch_command(fmt: str, target: str, draft: str, plan: LaunchPlan) -> str:
-    """The serving command for ``fmt``, preceded by a comment line saying why the limits are explicit."""
-    if fmt == "sglang":
-        return CAP_NOTE + "\n" + sglang_command(target, draft, plan)
-    if plan.topk != 1:
-        log.warning("--topk %d/--num-draft-tokens apply to SGLang only; vLLM drafts a chain of --steps tokens",
-                    plan.topk)
-    return vllm_command(target, draft, plan)
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -336,7 +264,10 @@ def export_checkpoint(ecfg: ExportConfig) -> ExportResult:
     """Check, convert and write one drafter folder; nothing is left at OUT when any step fails."""
     if ecfg.format not in FORMATS:
         raise ExportError(f"--format {ecfg.format!r}: expected one of {FORMATS}")
-    plan = ecfg.launch.resolved()
+    try:
+        plan = ecfg.launch.resolved()
+    except LaunchError as e:
+        raise ExportError(str(e)) from None
     source = resolve_checkpoint(ecfg.ckpt)
     out = Path(ecfg.out)
     _check_out(out, source, ecfg.force)
@@ -392,8 +323,12 @@ def export_checkpoint(ecfg: ExportConfig) -> ExportResult:
         raise ExportError(f"{source}: {e}") from e
 
     config = serving_config(cfg, engine=ecfg.format, torch_dtype=dtype_name)
-    plan = replace(plan, trust_remote_code=plan.trust_remote_code or bool(facts.get("remote_code")))
-    command = launch_command(ecfg.format, target_str or "<TARGET>", str(out.resolve()), plan)
+    plan = replace(plan, trust_remote_code=plan.trust_remote_code or bool(facts.get("remote_code")),
+                   parallel_drafting=cfg.parallel)
+    try:
+        command = launch_command(ecfg.format, target_str or "<TARGET>", str(out.resolve()), plan)
+    except LaunchError as e:
+        raise ExportError(str(e)) from None
     export_record = {
         "format": "redraft-export",
         "serving_format": ecfg.format,

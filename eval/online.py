@@ -43,28 +43,21 @@ if __package__ in (None, ""):  # run as a script path: make the repo root import
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from core import options
+from core.answers import AnswersError, build_requests
 from core.atomic import atomic_write_text  # noqa: E402
+from core.engines.counters import aggregate
 from core.engines.driver_protocol import EngineError  # noqa: E402
+from core.engines.launch import engine_interpreter, is_export
 from core.engines.request import TokenRequest  # noqa: E402
-from core.engines.vllm import EngineSettings, VLLMEngine, engine_python  # noqa: E402
+from core.engines.vllm import EngineSettings, VLLMEngine  # noqa: E402
 from core.options import option
 from core.target_weights import text_config  # noqa: E402
-from eval import engine_walk as walk  # noqa: E402
 
 log = logging.getLogger(__name__)
 
 
 class OnlineError(RuntimeError):
     """The engine cannot be run as asked (missing venv, failed engine, bad inputs); the message says what to do."""
-
-
-@dataclass
-class Request:
-    id: str  # "<sample_id>#<answer index>"
-    sample: int  # dataset index
-    prompt: list[int]
-    answer: list[int]
-    max_tokens: int
 
 
 @dataclass
@@ -126,49 +119,6 @@ def engine_context(requested: int | None, context: int | None, longest: int) -> 
 
 
 # ----------------------------------------------------------------------------- requests and drafter
-
-
-def sample_argmax(s: Any, lm_head: Any = None) -> list[int]:
-    """The target's argmax at every position of a stored sample (top-k teacher, else last hidden x lm_head)."""
-    if s.topk_ids is not None:
-        lp = s.topk_logprobs.float().masked_fill(s.topk_ids < 0, float("-inf"))
-        return s.topk_ids.gather(-1, lp.argmax(-1, keepdim=True)).squeeze(-1).tolist()
-    if lm_head is None or s.last_hidden is None:
-        raise OnlineError("the dataset stores neither a top-k teacher nor the last hidden state with a target lm_head")
-    return (s.last_hidden.float() @ lm_head.float().T).argmax(-1).tolist()
-
-
-def build_requests(reader: Any, indices: Sequence[int], max_new_tokens: int = 0, lm_head: Any = None) -> list[Request]:
-    """One request per answer of each sample: the token ids before it, the stored answer, its max_tokens.
-
-    max_tokens follows the walk's stop rule (``eval.engine_walk.engine_stop``): the stored answer's
-    length, one less when its last token is not the target's argmax (an answer cut at generation
-    and closed by the chat template), or ``max_new_tokens`` when given.
-    """
-    reqs = []
-    for i in indices:
-        s = reader.get(i)
-        ids = [int(t) for t in s.input_ids.tolist()]
-        argmax = sample_argmax(s, lm_head)
-        for j, (a, e) in enumerate(walk.answer_runs(s.loss_mask)):
-            stop = walk.engine_stop(ids, argmax, a, e, max_new_tokens or None)
-            reqs.append(Request(id=f"{reader.sample_ids[i]}#{j}", sample=i, prompt=ids[:a], answer=ids[a : stop + 1],
-                                max_tokens=stop - a + 1))
-    if not reqs:
-        raise OnlineError(f"{reader.root}: the selected samples have no answer with a prompt before it")
-    return reqs
-
-
-def is_export(folder: Path, engine: str) -> bool:
-    """Whether ``folder`` is an ``eval.export`` folder in ``engine``'s layout (layer ids in its convention)."""
-    rec = folder / "redraft.json"
-    if not rec.is_file():
-        return False
-    try:
-        data = json.loads(rec.read_text())
-    except ValueError:
-        return False
-    return data.get("format") == "redraft-export" and data.get("serving_format") == engine
 
 
 def engine_drafter(ckpt: str | Path, workdir: Path, target: str | None, engine: str) -> tuple[Path, str]:
@@ -235,27 +185,10 @@ def _run_sglang(kwargs: dict[str, Any], reqs: list[TokenRequest], settings: Onli
 # ----------------------------------------------------------------------------- aggregation
 
 
-def aggregate(rows: Sequence[dict[str, Any]], steps: int) -> dict[str, Any]:
-    """tau = 1 + accepted / drafts and the per-position rates over ``rows`` (vLLM's definitions)."""
-    drafts = sum(r["num_drafts"] for r in rows)
-    accepted = sum(r["num_accepted_tokens"] for r in rows)
-    per_pos = [sum(r["num_accepted_tokens_per_pos"][k] for r in rows) for k in range(steps)]
-    return {"requests": len(rows), "tau": 1.0 + accepted / drafts if drafts else 1.0,
-            "accept_rate": [p / drafts if drafts else 0.0 for p in per_pos], "num_drafts": drafts,
-            "num_draft_tokens": sum(r["num_draft_tokens"] for r in rows), "num_accepted_tokens": accepted,
-            "num_accepted_tokens_per_pos": per_pos,
-            "output_tokens": sum(len(r["output_token_ids"]) for r in rows)}
-
-
 def _engine_location(settings: OnlineSettings) -> tuple[str, str]:
     """(interpreter, where it came from) of the engine asked for; OnlineError naming the make target if none."""
     try:
-        if settings.engine == "sglang":
-            from core.engines.sglang import engine_runtime
-
-            runtime = engine_runtime(settings.engine_python)
-            return runtime.python, runtime.source
-        return engine_python(settings.engine_python)
+        return engine_interpreter(settings.engine, settings.engine_python)
     except EngineError as e:
         raise OnlineError(str(e)) from None
 
@@ -282,7 +215,10 @@ def measure(ckpt: str | Path, reader: Any, indices: Sequence[int], settings: Onl
         from eval.acceptance import _read_lm_head
 
         lm_head = _read_lm_head(reader.manifest, Path(tpath), "cpu")
-    reqs = build_requests(reader, indices, settings.max_new_tokens, lm_head)
+    try:
+        reqs = build_requests(reader, indices, settings.max_new_tokens, lm_head)
+    except AnswersError as e:
+        raise OnlineError(str(e)) from None
     longest = max(len(r.prompt) + r.max_tokens + (settings.num_draft_tokens or settings.steps) + 1 for r in reqs)
     max_model_len = engine_context(settings.max_model_len, target_context(Path(tpath)), longest)
     log.info("engine: %s (%s); %d requests from %d samples, K=%d", python, source, len(reqs), len(indices),

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
-from core.alignment import shift_left
+from core.alignment import step_counted, step_rows
 from core.drafter.modeling import Eagle3Drafter
 from core.drafter.ttt_attention import TTTCache
 
@@ -93,7 +93,7 @@ class Step0:
 def drafting_positions(loss_mask: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """bool [B, T]: p such that tokens p+1 and p+2 exist and are assistant tokens."""
     ok = loss_mask.to(torch.bool) & attention_mask.to(torch.bool)
-    return shift_left(ok, 1, False) & shift_left(ok, 2, False)
+    return step_rows(ok, 0, False) & step_counted(ok, 0)  # token p+1 (step 0 embeds it) and p+2
 
 
 def evaluable(
@@ -110,11 +110,11 @@ def evaluable(
     tgt = target_ids.to(torch.int64)
     end_k, path_k = [], []
     for k in range(steps):
-        end_k.append(shift_left(ok, 2 + k, False))
+        end_k.append(step_counted(ok, k))
         if k == 0:
             path_k.append(torch.ones_like(ok))
-        else:  # data token p+1+k equals argmax row p+k
-            path_k.append(shift_left(ids, 1 + k, -1) == shift_left(tgt, k, -2))
+        else:  # data token p+1+k (step k embeds it) equals argmax row p+k (that verified step k-1)
+            path_k.append(step_rows(ids, k, -1) == step_rows(tgt, k - 1, -2))
     end_ok = torch.stack(end_k, -1).cummin(-1).values
     path_ok = torch.stack(path_k, -1).cummin(-1).values
     return end_ok, path_ok
@@ -144,7 +144,7 @@ def score_chain(
 
 def rows_for_steps(x: torch.Tensor, steps: int, fill: int | float = -1) -> torch.Tensor:
     """[B, T, K] with [..., k] = x row t+1+k (``fill`` past the end)."""
-    return torch.stack([shift_left(x, 1 + k, fill) for k in range(steps)], -1)
+    return torch.stack([step_rows(x, k, fill) for k in range(steps)], -1)
 
 
 def run_step0(
@@ -157,7 +157,7 @@ def run_step0(
     pos = torch.arange(seq, device=ids.device).expand(bsz, seq)
     cache = TTTCache()
     hidden = drafter.project(aux_hidden)
-    hidden = drafter(shift_left(ids, 1), hidden, pos, cache, mask)
+    hidden = drafter(step_rows(ids, 0), hidden, pos, cache, mask)
     return Step0(cache=cache, hidden=hidden, logits=drafter.compute_logits(hidden), attention_mask=mask)
 
 
@@ -190,7 +190,8 @@ def simulate_chain_greedy(
     hidden = s0.hidden
     drafts = [tok]
     for k in range(1, steps):
-        hidden = drafter(tok, hidden, pos + k, cache, s0.attention_mask)
+        tok_in, hidden = drafter.step_inputs(k, tok, hidden)  # P-EAGLE: the placeholder slot at p + k
+        hidden = drafter(tok_in, hidden, pos + k, cache, s0.attention_mask)
         d = drafter.compute_logits(hidden).argmax(-1)
         tok = drafter.draft_to_target(d)
         drafts.append(tok)
@@ -237,9 +238,10 @@ def simulate_chain_sampled(
     alphas = []
     for k in range(steps):
         if k:  # teacher-forced: step k embeds data token t+1+k (s0's cache is this chain's own)
-            hidden = drafter(shift_left(ids, 1 + k), hidden, pos + k, s0.cache, mask)
+            tokens, hidden = drafter.step_inputs(k, step_rows(ids, k), hidden)
+            hidden = drafter(tokens, hidden, pos + k, s0.cache, mask)
             logits = drafter.compute_logits(hidden).float()
-        p = shift_left(teacher_p.float(), 1 + k, 0.0)
+        p = step_rows(teacher_p.float(), k, 0.0)
         if rule == "target_only":  # greedy draft d accepted with probability p(d)
             alphas.append(p.gather(-1, logits.argmax(-1, keepdim=True)).squeeze(-1))
         else:
@@ -341,6 +343,9 @@ def simulate_tree(
 
     A position's tree depends only on step 0's state, so the positions run in chunks
     (``tree_chunk_positions``) and memory stays bounded whatever T; results come in (sample, position) order."""
+    if drafter.config.parallel:
+        raise ValueError("simulate_tree: a p-eagle drafter drafts one chain in one pass (vLLM's parallel drafting "
+                         "has no tree); evaluate it as a chain")
     bsz, seq = input_ids.shape
     heads = drafter.midlayer.self_attn.num_heads
     chunk = tree_chunk_positions(bsz, seq, heads, max(topk, 1), max_score_bytes)

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from catalog.builtin import SELF_DATA
 from core import options
 from core.config import ByteSize, ConfigError
-from core.embedded import SELF_DATA
 from core.options import option, split_commas
 
 

@@ -31,7 +31,7 @@ MAX_IDS = 50  # dropped ids the manifest lists
 
 def eval_prompts(specs: Sequence[str]) -> list[str]:
     """Every user turn of the evaluation inputs (built-in names such as mtbench, or files)."""
-    from core.embedded import resolve_data
+    from catalog.builtin import resolve_data
 
     if not specs:
         return []
@@ -48,7 +48,7 @@ def _same(a: Path, b: Path) -> bool:
 
 def refuse_contradiction(inputs: Mapping[str, Path], sources: Sequence[str]) -> None:
     """ConfigError when an input is one of the evaluation inputs: every one of its records would be dropped."""
-    from core.embedded import resolve_data
+    from catalog.builtin import resolve_data
 
     for source in sources:
         where = resolve_data(source)
@@ -61,7 +61,7 @@ def refuse_contradiction(inputs: Mapping[str, Path], sources: Sequence[str]) -> 
 
 def self_check_covers(cfg: Any) -> bool:
     """Whether the check of `--data self`'s prompts already did this one (same or more sources, threshold <=)."""
-    from core.embedded import resolve_data
+    from catalog.builtin import resolve_data
 
     mine = [resolve_data(s) for s in cfg.decontaminate]
     theirs = [resolve_data(s) for s in cfg.self_decontaminate]

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from catalog.builtin import SELF_DATA, resolve_data, resolve_target
 from core.atomic import atomic_write_text
 from core.batching import pack_batches
 from core.config import ConfigError
@@ -45,7 +46,6 @@ from core.dataset.window import (
     write_window,
 )
 from core.dataset.writer import ShardWriter, finalize_dataset
-from core.embedded import SELF_DATA, resolve_data, resolve_target
 from extract.backends.base import GenerationConfig, TargetBackend, TeacherSpec
 from extract.chat import (
     TokenizedSample,

@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from catalog.builtin import SELF_DATA
 from core.atomic import atomic_write_text
 from core.config import ConfigError
-from core.embedded import SELF_DATA
 from extract.backends.base import GenerationConfig
 from extract.chat import chat_template_hash, sha256_json, stop_token_ids, tokenizer_hash, user_turn_prefix
 from extract.decontaminate import eval_prompts

@@ -16,8 +16,8 @@
 #   5. k-data   256 chitchat openings answered by the target through vLLM (configs/engine-truth/kimi-train.yaml)
 #   6. k-eval   48 MT-bench first turns answered by the target through vLLM (configs/engine-truth/kimi-mtbench.yaml)
 #   7. k-train  an MLA drafter, 240 steps (configs/engine-truth/kimi-train-mla.yaml)
-#   8. k-comp   chain K = ${ENGINE_TRUTH_KIMI_STEPS:-3 5} with --exact-per-request: every request's accepted
-#               tokens per position, offline = vLLM's counters
+#   8. k-comp   chain K = ${ENGINE_TRUTH_KIMI_STEPS:-3} with --exact-per-request: every request's accepted
+#               tokens per position, offline = vLLM's counters (K = 5 too with ENGINE_TRUTH_KIMI_STEPS="3 5")
 # The SGLang lane (SGLang 0.5.23's own engine on the CPU: the SGLang CPU venv, redraft's stand-in for its kernels;
 # the SmolLM2 lane's drafter and data):
 #   9. s-venv   scripts/make_sglang_cpu_venv.sh (idempotent)
@@ -27,7 +27,20 @@
 #               --exact-per-request: SGLang's per-request counters = the walk's; every request also without the
 #               drafter: speculation must not change SGLang's greedy output (the engine's own precondition)
 #  11. s-tree   a tree, topk 2, 6 draft tokens, depth 3, the same samples, --exact-per-request
-# ENGINE_TRUTH_LANES="smollm2 kimi sglang" (the default) picks lanes.
+# The kinds lane (issue 36: the drafter methods beyond EAGLE-3; the other lanes' data):
+#  12. 31-train an EAGLE-3.1 drafter (fc_norm + norm_output) for each target: the demo's config on the demo's data
+#               (SmolLM2, Llama-style) and the Kimi config (kimi-k25-mini, MLA), --drafter-method eagle3.1
+#  13. 31-comp  vLLM online vs the offline walk, chain K = 3, --exact-per-request, for both
+#  14. pe-train a P-EAGLE drafter (parallel drafting) for SmolLM2: the demo's config, --drafter-method p-eagle
+#               (Llama-style only: vLLM drafts in parallel with its Llama/Qwen3 drafters, and vLLM CPU serves a
+#               Llama-style drafter beside a Llama target, not beside kimi-k25-mini)
+#  15. pe-comp  vLLM online (speculative_config parallel_drafting) vs the offline walk, chain K = 3, every request
+#  16. s-kinds  SGLang online vs the offline walk, chain 3/1/4, every request, for each of
+#               ${ENGINE_TRUTH_SGLANG_KINDS:-kimi-mla kimi-eagle3.1}: kimi-k25-mini's MLA drafter (the Kimi lane's,
+#               EAGLE-3; trained here when that lane did not run) and its EAGLE-3.1 drafter; smollm2-eagle3.1 (SmolLM2's
+#               EAGLE-3.1, ~4 min here: SGLang verifies SmolLM2 at ~10 rounds/s) on request. P-EAGLE: SGLang 0.5.23
+#               has no parallel drafting
+# ENGINE_TRUTH_LANES="smollm2 kimi sglang kinds" (the default) picks lanes.
 # It fails loudly when it cannot run (no venv and no registry, engine crash, too few samples).
 # REDRAFT_SKIP_ENGINE_TRUTH=1 skips it on purpose, and says so.
 set -euo pipefail
@@ -39,7 +52,7 @@ export VLLM_CPU_VENV=${VLLM_CPU_VENV:-$HOME/.cache/redraft/vllm-cpu}
 export SGLANG_CPU_VENV=${SGLANG_CPU_VENV:-$HOME/.cache/redraft/sglang-cpu}
 # The built-in targets' cache: the suite's (tests/conftest.py), so kimi-k25-mini is built once per CI run.
 export REDRAFT_CACHE=${REDRAFT_CACHE:-$ROOT/.cache/redraft}
-LANES=${ENGINE_TRUTH_LANES:-smollm2 kimi sglang}
+LANES=${ENGINE_TRUTH_LANES:-smollm2 kimi sglang kinds}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline DS_ACCELERATOR=cpu
 export TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 
@@ -55,6 +68,7 @@ if [ "${REDRAFT_SKIP_ENGINE_TRUTH:-0}" = "1" ]; then
 fi
 [ -x "$PY" ] || { echo "engine-truth: $PY missing (run 'make venv' first)" >&2; exit 2; }
 
+K=$WORK/kimi
 LANE_START=$(date +%s)
 PHASE_START=$LANE_START
 declare -a TIMES=()
@@ -122,8 +136,8 @@ smollm2_lane() {
     done_phase compare
 }
 
-sglang_lane() {
-    smollm2_inputs
+sglang_venv() {  # the SGLang CPU venv, built once (the SGLang and the kinds lanes use it)
+    [ -n "${SGLANG_VENV_DONE:-}" ] && return
     CURRENT=sglang-venv; phase "9/11 SGLang CPU venv ($SGLANG_CPU_VENV)"
     if ! bash scripts/make_sglang_cpu_venv.sh "$SGLANG_CPU_VENV" >"$WORK/sglang-venv.log" 2>&1; then
         tail -n 40 "$WORK/sglang-venv.log" | sed 's/^/  /'
@@ -132,6 +146,12 @@ sglang_lane() {
     fi
     grep -E '^\[make_sglang_cpu_venv' "$WORK/sglang-venv.log" | sed 's/^/  /'
     done_phase s-venv
+    SGLANG_VENV_DONE=1
+}
+
+sglang_lane() {
+    smollm2_inputs
+    sglang_venv
 
     CURRENT=sglang-chain; phase "10/11 SGLang online vs offline walk: chain 3/1/4, every request"
     local n=${ENGINE_TRUTH_SGLANG_SAMPLES:-24} min=${ENGINE_TRUTH_SGLANG_MIN_SAMPLES:-20}
@@ -147,8 +167,8 @@ sglang_lane() {
     done_phase s-tree
 }
 
-kimi_lane() {
-    local K=$WORK/kimi
+kimi_inputs() {  # kimi-k25-mini's training and MT-bench data, shared by the Kimi and the kinds lanes
+    [ -n "${KIMI_INPUTS_DONE:-}" ] && return
     mkdir -p "$K"
     CURRENT=kimi-data; phase "5/8 kimi-k25-mini: training data ($K/train; the target is built into $REDRAFT_CACHE once)"
     extract_once kimi-train configs/engine-truth/kimi-train.yaml "$K/train"
@@ -157,20 +177,81 @@ kimi_lane() {
     CURRENT=kimi-eval; phase "6/8 kimi-k25-mini: MT-bench comparison data ($K/mtbench)"
     extract_once kimi-mtbench configs/engine-truth/kimi-mtbench.yaml "$K/mtbench"
     done_phase k-eval
+    KIMI_INPUTS_DONE=1
+}
+
+# train_once NAME RUN ARGS...: train/main.py ARGS --out RUN, reused when RUN holds a complete checkpoint
+train_once() {
+    local name=$1 run=$2; shift 2
+    if has_checkpoint "$run"; then
+        echo "  reusing $run/$(cat "$run/latest")"
+    elif ! "$PY" train/main.py "$@" --out "$run" --resume auto --report-to none >"$WORK/$name.log" 2>&1; then
+        tail -n 40 "$WORK/$name.log" | sed 's/^/  /'; echo "engine-truth: training $run failed" >&2; exit 1
+    fi
+    grep -E "redraft train done" "$WORK/$name.log" 2>/dev/null | sed "s/^/  /" || true
+}
+
+kinds_lane() {
+    smollm2_inputs
+    kimi_inputs
+    CURRENT=eagle3.1-train; phase "12/16 EAGLE-3.1 drafters: SmolLM2 (Llama-style) and kimi-k25-mini (MLA)"
+    local demo_data=$WORK/demo/data
+    [ -f "$demo_data/manifest.json" ] || { echo "engine-truth: $demo_data missing (the demo's data)" >&2; exit 1; }
+    train_once smollm2-eagle31-train "$WORK/kinds/smollm2-eagle3.1" --config configs/demo/train.yaml \
+        --data "$demo_data" --drafter-method eagle3.1
+    train_once kimi-eagle31-train "$WORK/kinds/kimi-eagle3.1" --config configs/engine-truth/kimi-train-mla.yaml \
+        --data "$K/train" --drafter-method eagle3.1
+    done_phase 31-train
+
+    CURRENT=eagle3.1-compare; phase "13/16 EAGLE-3.1: vLLM online vs offline walk, chain 3, every request"
+    local n=${ENGINE_TRUTH_KINDS_SAMPLES:-24} min=${ENGINE_TRUTH_KINDS_MIN_SAMPLES:-20}
+    "$PY" -m eval.engine_truth "$WORK/kinds/smollm2-eagle3.1" --data "$WORK/mtbench" --steps 3 --exact-per-request \
+        --max-samples "$n" --min-samples "$min" --speed-samples 0 \
+        --json "$WORK/engine-truth-smollm2-eagle3.1.json" --markdown "$WORK/engine-truth-smollm2-eagle3.1.md"
+    "$PY" -m eval.engine_truth "$WORK/kinds/kimi-eagle3.1" --data "$K/mtbench" --steps 3 --exact-per-request \
+        --max-samples "$n" --min-samples "$min" --speed-samples 0 \
+        --json "$WORK/engine-truth-kimi-eagle3.1.json" --markdown "$WORK/engine-truth-kimi-eagle3.1.md"
+    done_phase 31-comp
+
+    CURRENT=p-eagle-train; phase "14/16 P-EAGLE drafter: SmolLM2 (Llama-style)"
+    train_once smollm2-peagle-train "$WORK/kinds/smollm2-p-eagle" --config configs/demo/train.yaml \
+        --data "$demo_data" --drafter-method p-eagle
+    done_phase pe-train
+
+    CURRENT=p-eagle-compare; phase "15/16 P-EAGLE: vLLM online (parallel drafting) vs offline walk, chain 3, every request"
+    "$PY" -m eval.engine_truth "$WORK/kinds/smollm2-p-eagle" --data "$WORK/mtbench" --steps 3 --exact-per-request \
+        --max-samples "$n" --min-samples "$min" --speed-samples 0 \
+        --json "$WORK/engine-truth-smollm2-p-eagle.json" --markdown "$WORK/engine-truth-smollm2-p-eagle.md"
+    done_phase pe-comp
+
+    sglang_venv
+    CURRENT=sglang-kinds; phase "16/16 SGLang online vs offline walk, chain 3/1/4, every request: ${ENGINE_TRUTH_SGLANG_KINDS:-kimi-mla kimi-eagle3.1}"
+    train_once kimi-train "$K/drafter" --config configs/engine-truth/kimi-train-mla.yaml --data "$K/train"
+    local name folder data
+    for name in ${ENGINE_TRUTH_SGLANG_KINDS:-kimi-mla kimi-eagle3.1}; do
+        case "$name" in
+            kimi-mla) folder=$K/drafter; data=$K/mtbench ;;
+            kimi-eagle3.1) folder=$WORK/kinds/kimi-eagle3.1; data=$K/mtbench ;;
+            smollm2-eagle3.1) folder=$WORK/kinds/smollm2-eagle3.1; data=$WORK/mtbench ;;
+            *) echo "engine-truth: unknown kind '$name' in ENGINE_TRUTH_SGLANG_KINDS (kimi-mla, kimi-eagle3.1, smollm2-eagle3.1)" >&2; exit 2 ;;
+        esac
+        "$PY" -m eval.engine_truth "$folder" --data "$data" --engine sglang --steps 3 --exact-per-request \
+            --max-samples "$n" --min-samples "$min" --speed-samples 0 \
+            --json "$WORK/engine-truth-sglang-$name.json" --markdown "$WORK/engine-truth-sglang-$name.md"
+    done
+    done_phase s-kinds
+}
+
+kimi_lane() {
+    kimi_inputs
 
     CURRENT=kimi-train; phase "7/8 kimi-k25-mini: MLA drafter ($K/drafter)"
-    if has_checkpoint "$K/drafter"; then
-        echo "  reusing $K/drafter/$(cat "$K/drafter/latest")"
-    elif ! "$PY" train/main.py --config configs/engine-truth/kimi-train-mla.yaml --data "$K/train" \
-            --out "$K/drafter" --resume auto --report-to none >"$WORK/kimi-train.log" 2>&1; then
-        tail -n 40 "$WORK/kimi-train.log" | sed 's/^/  /'; echo "engine-truth: MLA drafter training failed" >&2; exit 1
-    fi
-    grep -E "redraft train done" "$WORK/kimi-train.log" | sed "s/^/  /" || true
+    train_once kimi-train "$K/drafter" --config configs/engine-truth/kimi-train-mla.yaml --data "$K/train"
     done_phase k-train
 
     CURRENT=kimi-compare; phase "8/8 kimi-k25-mini: vLLM online vs offline walk, every request"
     local steps=()
-    for k in ${ENGINE_TRUTH_KIMI_STEPS:-3 5}; do steps+=(--steps "$k"); done
+    for k in ${ENGINE_TRUTH_KIMI_STEPS:-3}; do steps+=(--steps "$k"); done
     "$PY" -m eval.engine_truth "$K/drafter" --data "$K/mtbench" "${steps[@]}" --exact-per-request \
         --min-samples "${ENGINE_TRUTH_MIN_SAMPLES:-32}" --speed-samples "${ENGINE_TRUTH_SPEED_SAMPLES:-4}" \
         --json "$WORK/engine-truth-kimi.json" --markdown "$WORK/engine-truth-kimi.md"
@@ -182,7 +263,8 @@ for lane in $LANES; do
         smollm2) smollm2_lane ;;
         kimi) kimi_lane ;;
         sglang) sglang_lane ;;
-        *) echo "engine-truth: unknown lane '$lane' in ENGINE_TRUTH_LANES (smollm2, kimi, sglang)" >&2; exit 2 ;;
+        kinds) kinds_lane ;;
+        *) echo "engine-truth: unknown lane '$lane' in ENGINE_TRUTH_LANES (smollm2, kimi, sglang, kinds)" >&2; exit 2 ;;
     esac
 done
 

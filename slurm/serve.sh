@@ -168,6 +168,6 @@ fi
 "$PYTHON" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('sglang') is None)" \
   || die "$PYTHON has no SGLang; set PYTHON (or REDRAFT_ENGINE_PYTHON) to the python of the venv with redraft[sglang]"
 log "$MODE server on $(hostname):$PORT (loading Kimi-K2.5 takes 5-10 minutes); benchmark it with"
-log "  python -m eval.serving --${MODE/eagle3/eagle} http://$(hostname):$PORT --tokenizer $TARGET --trust-remote-code"
+log "  python -m serve.bench --${MODE/eagle3/eagle} http://$(hostname):$PORT --tokenizer $TARGET --trust-remote-code"
 log "${CMD[*]}"
 exec "${CMD[@]}"

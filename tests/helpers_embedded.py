@@ -14,7 +14,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from core.embedded import CACHE_ENV, KIMI_MINI, resolve_target
+from catalog.builtin import CACHE_ENV, KIMI_MINI, resolve_target
 from core.engines import sglang as sglang_engine
 from core.engines.vllm import DEFAULT_VENV, MAKE_HINT
 
@@ -140,7 +140,7 @@ def capture_sequences(tokenizer, turns: int = 12, random_ids: int = 700) -> list
     capture-equality tests feed every engine."""
     import torch
 
-    from core.embedded import mtbench_records
+    from catalog.builtin import mtbench_records
 
     seqs = []
     for rec in mtbench_records()[:turns]:

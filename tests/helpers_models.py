@@ -209,7 +209,7 @@ def make_served_deepseek_v3(path: str | Path, num_layers: int = 6, *, seed: int 
     only as ``deepseek_yarn``: "Only deepseek_yarn is supported for CPU for now")."""
     import json
 
-    from core import kimi_mini
+    from catalog import kimi_mini
 
     tok = build_chat_tokenizer("deepseek_v3")
     torch.manual_seed(seed)

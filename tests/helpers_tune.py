@@ -1,4 +1,5 @@
-"""What every eval.tune end-to-end test holds of its report, whichever engine ran the sweep."""
+"""What every pipeline.tune end-to-end test (serve.tune at its end) holds of its report, whichever engine ran the
+sweep."""
 
 from __future__ import annotations
 

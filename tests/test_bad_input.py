@@ -13,12 +13,16 @@ import logging
 from pathlib import Path
 
 import pytest
+from helpers_drafter import tiny_drafter
 from helpers_models import make_tiny_llama
 from helpers_store import make_dataset
 
+from core.drafter.folder import write_drafter_folder
+
 MODULES = {"extract": "extract.__main__", "train": "train.main", "acceptance": "eval.acceptance",
            "export": "eval.export", "online": "eval.online", "engine_truth": "eval.engine_truth",
-           "serving": "eval.serving", "tune": "eval.tune", "verify_engine": "eval.verify_engine",
+           "serving": "serve.bench", "tune": "serve.tune", "pipeline_tune": "pipeline.tune",
+           "verify_engine": "eval.verify_engine",
            "verify": "extract.verify"}
 
 
@@ -34,11 +38,15 @@ def world(tmp_path_factory) -> dict[str, Path]:
     empty_ds = root / "empty_ds"
     make_dataset(empty_ds, shard_lengths=[[]])
     (root / "folder").mkdir()
+    pe = root / "p-eagle"  # a P-EAGLE drafter (served by vLLM only)
+    pe.mkdir()
+    d = tiny_drafter(seed=0, method="p-eagle", mask_token_id=3)
+    write_drafter_folder(pe, d.config, d.serving_state_dict(), {"format": "redraft-test"})
     (root / "bad.yaml").write_text("bogus_key: 1\n")
     (root / "empty.jsonl").write_text("")
     (root / "chat.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"},
                                                              {"role": "assistant", "content": "Hello"}]}) + "\n")
-    return {"root": root, "target": target, "ds": ds, "empty_ds": empty_ds, "folder": root / "folder",
+    return {"root": root, "target": target, "ds": ds, "empty_ds": empty_ds, "folder": root / "folder", "p_eagle": pe,
             "bad": root / "bad.yaml", "empty": root / "empty.jsonl", "chat": root / "chat.jsonl"}
 
 
@@ -59,6 +67,9 @@ def _cases(w: dict[str, Path]) -> list[tuple[str, str, list[str], str]]:
         ("train", "unknown config key", ["--config", bad], "bogus_key"),
         ("train", "bad value", ["--data", ds, "--out", out, "--lr", "fast"], "lr='fast'"),
         ("train", "empty input", ["--data", str(w["empty_ds"]), "--out", out], "holds no sample"),
+        ("train", "a kind no engine serves", ["--data", ds, "--out", out, "--drafter-method", "p-eagle",
+                                              "--drafter-attention", "mla"], "drafter_attention=mla"),
+        ("train", "kinds mixed", ["--data", ds, "--out", out, "--mask-token-id", "3"], "mask_token_id=3"),
         ("acceptance", "missing option", ["ckpt"], "--data is required"),
         ("acceptance", "no such path", ["/no/such", "--data", ds], "/no/such"),
         ("acceptance", "wrong kind of folder", [f, "--data", ds], f"{f}: not a drafter folder"),
@@ -85,9 +96,24 @@ def _cases(w: dict[str, Path]) -> list[tuple[str, str, list[str], str]]:
         ("serving", "unknown config key", ["--config", bad], "bogus_key"),
         ("serving", "bad value", ["--concurrency", "0"], "concurrency=[0]"),
         ("tune", "missing option", ["d"], "--target is required"),
-        ("tune", "wrong kind of folder", [f, "--target", t, "--data", f, "--out", out], f"--data {f}: no manifest"),
+        ("tune", "wrong kind of folder", [f, "--target", t, "--data", ds, "--offline", f, "--out", out],
+         f"EXPORT {f}: not an eval.export folder"),
+        ("tune", "no such path", ["/no/such", "--target", t, "--data", ds, "--offline", f, "--out", out],
+         "EXPORT /no/such: no such folder"),
         ("tune", "unknown config key", ["d", "--target", t, "--config", bad], "bogus_key"),
         ("tune", "bad value", ["d", "--target", t, "--steps", "x"], "steps=['x']"),
+        ("pipeline_tune", "missing option", ["d", "--prompts", "mtbench"], "--target is required"),
+        ("pipeline_tune", "no such path", ["/no/such", "--target", t, "--prompts", "mtbench", "--out", out],
+         "/no/such: no such folder"),
+        ("pipeline_tune", "wrong kind of folder", ["d", "--target", t, "--data", f, "--out", out],
+         f"--data {f}: no manifest.json"),
+        ("pipeline_tune", "a kind the engine does not serve", [str(w["p_eagle"]), "--target", t, "--prompts",
+                                                                "mtbench", "--engine", "sglang", "--out", out],
+         "a p-eagle drafter, which only vllm serves"),
+        ("export", "a kind the engine does not serve", [str(w["p_eagle"]), out, "--format", "sglang"],
+         "SGLang 0.5.23 has no parallel drafting"),
+        ("pipeline_tune", "unknown config key", ["d", "--target", t, "--config", bad], "bogus_key"),
+        ("pipeline_tune", "bad value", ["d", "--target", t, "--prompts", "p", "--engine", "tgi"], "'tgi'"),
         ("verify_engine", "missing option", [], "required: folder"),
         ("verify_engine", "no such path", ["/no/such", "--engine", "vllm"], "/no/such/config.json: no such file"),
         ("verify_engine", "unknown config key", ["f", "--config", bad], "bogus_key"),

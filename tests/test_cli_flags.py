@@ -17,9 +17,10 @@ PARSERS = {
     "python -m eval.online": "eval.online",
     "python -m eval.engine_truth": "eval.engine_truth",
     "python -m eval.export": "eval.export",
-    "python -m eval.serving": "eval.serving",
+    "python -m serve.bench": "serve.bench",
     "python -m eval.verify_engine": "eval.verify_engine",
-    "python -m eval.tune": "eval.tune",
+    "python -m serve.tune": "serve.tune",
+    "python -m pipeline.tune": "pipeline.tune",
 }
 
 
@@ -64,7 +65,7 @@ def test_underscore_spelling_is_accepted_everywhere(tmp_path):
 
 
 def test_extract_list_options_take_commas(tmp_path):
-    """--aux-layer-ids 1,14,29 (eval.tune passes a drafter's layers that way); a config file's YAML list too."""
+    """--aux-layer-ids 1,14,29 (pipeline.tune passes a drafter's layers that way); a config file's YAML list too."""
     from extract.config import parse_args
 
     base = ["--target", "m", "--data", "d.jsonl", "--out", "o"]

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from helpers_models import make_tiny_llama
 
+from catalog.builtin import mtbench_records, resolve_data
 from core.config import ConfigError
 from core.dataset.format import MANIFEST_NAME
 from core.dataset.reader import DatasetReader
-from core.embedded import mtbench_records, resolve_data
 from extract.__main__ import main as extract_main
 from extract.config import ExtractConfig, build_parser
 from extract.decontaminate import Decontamination, self_check_covers

@@ -18,13 +18,14 @@ from train.config import parse_cli  # noqa: E402
 CFG = dk.KindsConfig.load(dk.DEFAULT_CONFIG, {})
 
 
-@pytest.mark.parametrize("kind", dk.KINDS)
+@pytest.mark.parametrize("name,kind,method", dk.variants(CFG))
 @pytest.mark.parametrize("spec", CFG.targets, ids=dk.target_slug)
-def test_every_training_command_parses(spec: dk.TargetSpec, kind: str, tmp_path: Path) -> None:
-    cmd = dk.train_cmd(CFG, spec, kind, 1, tmp_path / "data", tmp_path / "out")
+def test_every_training_command_parses(spec: dk.TargetSpec, name: str, kind: str, method: str,
+                                       tmp_path: Path) -> None:
+    cmd = dk.train_cmd(CFG, spec, kind, 1, tmp_path / "data", tmp_path / "out", method)
     assert cmd[1] == "train/main.py"
     cfg = parse_cli(cmd[2:])
-    assert cfg.drafter_attention == kind
+    assert cfg.drafter_attention == kind and cfg.drafter_method == method
     assert cfg.seed == 1 and cfg.max_steps == CFG.steps
     if kind == "mla":
         assert cfg.num_key_value_heads is None and cfg.head_dim is None
@@ -42,3 +43,20 @@ def test_unknown_target_key_is_named(tmp_path: Path) -> None:
     bad.write_text("targets:\n  - {name: x, train_config: y, gqa_sizes: {}}\n")
     with pytest.raises(dk.BenchError, match=r"targets\[0\] has unknown keys \['gqa_sizes'\]"):
         dk.KindsConfig.load(bad, {})
+
+
+def test_every_method_for_the_attention_kinds_it_is_served_with() -> None:
+    assert [name for name, _, _ in dk.variants(CFG)] == ["gqa", "mla", "gqa-eagle3.1", "mla-eagle3.1", "gqa-p-eagle"]
+
+
+def test_the_speed_up_is_read_from_a_real_serve_tune_report() -> None:
+    import json
+
+    report = json.loads((ROOT / "docs/results/serving-tune/B-mtbench/report.json").read_text())
+    got = dk.speedups(report, 3)
+    assert set(got) == {"1", "4", "16"}
+    for level in report["answer"]["per_concurrency"]:
+        want = next(s for s in level["settings"] if s["k"] == 3)
+        assert got[str(level["concurrency"])]["speedup"] == want["speedup"]["median"]
+    with pytest.raises(dk.BenchError, match="no chain of 9"):
+        dk.speedups(report, 9)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import core.embedded as emb
-from core.embedded import BUILTIN_DATASETS, BUILTIN_TARGETS, cache_dir, resolve_data, resolve_target
+import catalog.builtin as emb
+from catalog.builtin import BUILTIN_DATASETS, BUILTIN_TARGETS, cache_dir, resolve_data, resolve_target
 
 SMOLLM2 = "smollm2-135m-instruct"
 MTBENCH_CATEGORIES = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}

@@ -7,6 +7,7 @@ import torch
 from helpers_acceptance import _chain_drafts, make_case
 from helpers_drafter import tiny_drafter
 
+from core import answers
 from eval import engine_walk as ew
 from eval import simulate as sim
 
@@ -114,7 +115,7 @@ def test_walk_accepted_follows_the_counts():
     assert (capped.rounds, capped.output_tokens) == (1, 3)
     cut = argmax.clone()
     cut[7] = 0  # the stored last token (8) is not the argmax: an answer cut at generation, closed by the template
-    assert ew.engine_stop(ids.tolist(), cut.tolist(), 2, 8) == 7
+    assert answers.engine_stop(ids.tolist(), cut.tolist(), 2, 8) == 7
     st_cut = ew.walk_accepted(acc, ids, cut, lm, 3)
     assert (st_cut.rounds, st_cut.output_tokens) == (2, 6)  # 1 -> 4 -> 7, the new stop
     assert ew.argmax_agreement(ids, cut, lm) == (6, 6)  # the cut token is not one the engine returns
@@ -124,7 +125,7 @@ def test_walk_accepted_follows_the_counts():
 
 def test_answer_runs_and_agreement():
     lm = torch.tensor([1, 0, 1, 1, 0, 1], dtype=torch.bool)
-    assert ew.answer_runs(lm) == [(2, 3), (5, 5)]  # a run at index 0 has no prompt
+    assert answers.answer_runs(lm) == [(2, 3), (5, 5)]  # a run at index 0 has no prompt
     ids = torch.tensor([5, 6, 7, 8, 9, 4])
     argmax = torch.tensor([6, 0, 8, 0, 3, 0])
     # token 2 is off the argmax, 3 follows it (and ends its answer), 5 is a one-token answer (the prefill's)

@@ -21,15 +21,8 @@ from core.drafter.serving_format import (
     expected_tensors,
     serving_config,
 )
-from eval.export import (
-    CAP_NOTE,
-    ExportConfig,
-    ExportError,
-    LaunchPlan,
-    export_checkpoint,
-    main,
-    sglang_command,
-)
+from core.engines.launch import CAP_NOTE, LaunchError, LaunchPlan, sglang_command
+from eval.export import ExportConfig, ExportError, export_checkpoint, main
 
 torch.set_num_threads(1)
 
@@ -351,9 +344,9 @@ def test_sglang_launch_line(tmp_path, capsys):
 
 
 def test_launch_plan_rules():
-    with pytest.raises(ExportError, match="with --topk 1 SGLang forces it to steps \\+ 1 = 4"):
+    with pytest.raises(LaunchError, match="with --topk 1 SGLang forces it to steps \\+ 1 = 4"):
         LaunchPlan(steps=3, topk=1, num_draft_tokens=8).resolved()
-    with pytest.raises(ExportError, match="needs an explicit --num-draft-tokens"):
+    with pytest.raises(LaunchError, match="needs an explicit --num-draft-tokens"):
         LaunchPlan(steps=5, topk=4).resolved()
     line = sglang_command("T", "D", LaunchPlan(steps=5, topk=4, num_draft_tokens=8, cuda_graph_max_bs=64))
     assert "--speculative-eagle-topk 4 --speculative-num-draft-tokens 8" in line

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from core import kimi_mini as km
-from core.embedded import BUILTIN_TARGETS, KIMI_MINI, cache_dir
+from catalog import kimi_mini as km
+from catalog.builtin import BUILTIN_TARGETS, KIMI_MINI, cache_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -64,7 +64,7 @@ def test_kept_values_are_kimi_k25s_and_only_sizes_shrink():
 
 
 def test_name_is_a_builtin_with_a_recipe_keyed_folder(monkeypatch, tmp_path):
-    import core.embedded as emb
+    import catalog.builtin as emb
 
     assert KIMI_MINI == "kimi-k25-mini" and KIMI_MINI in BUILTIN_TARGETS
     digest = km.recipe_digest()
@@ -236,7 +236,7 @@ def test_greedy_replies_are_text_that_ends_the_turn(model, saved_tokenizer):
 def test_greedy_replies_differ_from_prompt_to_prompt(model, saved_tokenizer):
     """Prompts it never saw (MT-bench first turns) get different replies, not the mode of its data: a
     drafter trained on its answers then has something to learn, and the engine truth lane something to count."""
-    from core.embedded import mtbench_records
+    from catalog.builtin import mtbench_records
 
     prompts = [r["turns"][0] for r in mtbench_records()[:12]]
     texts = [saved_tokenizer.decode(_greedy(model, saved_tokenizer, p, 32)[1]) for p in prompts]
@@ -347,7 +347,7 @@ def test_bfloat16_variant_is_cast_from_the_float32_build(kimi):
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    from core.embedded import resolve_target
+    from catalog.builtin import resolve_target
 
     folder = resolve_target(KIMI_MINI, dtype="bfloat16")
     assert folder.name == f"{kimi.name}-bfloat16"

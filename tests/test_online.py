@@ -18,11 +18,11 @@ import torch
 from helpers_acceptance import make_case, write_case_dataset, write_target
 from helpers_drafter import tiny_drafter
 
+from core import answers
 from core.dataset.reader import DatasetReader
 from core.drafter.folder import write_drafter_folder
 from core.engines import vllm as vllm_engine
 from eval import engine_truth as et
-from eval import engine_walk as ew
 from eval import online
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,9 +112,9 @@ def world(tmp_path_factory):
 
 def test_requests_are_the_prompt_ids_before_each_answer(world):
     reader = DatasetReader(world["data"])
-    reqs = online.build_requests(reader, range(len(reader)))
+    reqs = answers.build_requests(reader, range(len(reader)))
     case = world["case"]
-    assert len(reqs) == sum(len(ew.answer_runs(case["loss_mask"][b])) for b in range(3))
+    assert len(reqs) == sum(len(answers.answer_runs(case["loss_mask"][b])) for b in range(3))
     for r in reqs:
         b = r.sample
         ids, lm = case["input_ids"][b].tolist(), case["loss_mask"][b].tolist()
@@ -122,7 +122,7 @@ def test_requests_are_the_prompt_ids_before_each_answer(world):
         assert r.prompt == ids[:a] and lm[a] and not lm[a - 1]  # the tokens before the answer's first token
         assert r.answer == ids[a : a + len(r.answer)] and all(lm[a : a + len(r.answer)])
         assert r.max_tokens == len(r.answer)
-    assert {r.max_tokens for r in online.build_requests(reader, [0], max_new_tokens=5)} == {5}
+    assert {r.max_tokens for r in answers.build_requests(reader, [0], max_new_tokens=5)} == {5}
 
 
 def test_missing_engine_says_how_to_build_it(monkeypatch, tmp_path):
@@ -151,7 +151,7 @@ def test_measure_through_the_driver(world, monkeypatch):
     settings = online.OnlineSettings(steps=STEPS, speed_samples=2, engine_python=sys.executable,
                                      extra_env={"PYTHONPATH": str(world["fake"])})
     res = online.measure(world["ckpt"], reader, range(len(reader)), settings, target=str(world["target"]))
-    reqs = online.build_requests(reader, range(len(reader)))
+    reqs = answers.build_requests(reader, range(len(reader)))
     rows = res["per_request"]
     assert [r["id"] for r in rows] == [q.id for q in reqs]
     for r, q in zip(rows, reqs, strict=True):  # per request: the stand-in's rounds, not the global counters

@@ -78,3 +78,16 @@ def test_help_is_grouped_in_declaration_order():
     assert heads == ["inputs:", "model:", "engine:", "storage:", "output:", "config:"]
     assert [text.index(h) for h in heads] == sorted(text.index(h) for h in heads)
     assert "(default: 3)" in text and "--no-stream" not in text and "(default: required)" in text
+
+
+def test_to_argv_is_read_back_as_the_same_options():
+    from core.options import to_argv
+
+    o = _parse(["C", "--out", "O", "--data", "a,b", "--width", "8", "--betas", "0.8,0.9", "--engine", "sglang",
+                "--engine-args", '{"x": 1}', "--window", "2MiB", "--stream"])
+    argv = to_argv(o)
+    assert argv[0] == "C" and "--steps" not in argv  # defaults are left out
+    assert _parse(argv) == o
+    back = _parse(["C", "--out", "O", "--width", "none", "--no-stream"])
+    assert _parse(to_argv(back)) == back
+    assert "--engine" not in to_argv(o, skip=("engine",))

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from core.embedded import chitchat_records
+from catalog.builtin import chitchat_records
 from extract.prompt_filters import (
     EvalSet,
     FilterSettings,

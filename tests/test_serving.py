@@ -1,4 +1,4 @@
-"""eval.serving against a local stand-in for SGLang (tests/helpers_fake_sglang.py), plus the maths on known answers."""
+"""serve.bench against a local stand-in for SGLang (tests/helpers_fake_sglang.py), plus the maths on known answers."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from helpers_fake_sglang import FakeBehaviour, FakeSGLang, dead_url
 
-from eval import serving
-from eval.serving import ServingConfig, ServingError, run_benchmark
-from eval.serving_report import (
+from serve import bench as serving
+from serve.bench import ServingConfig, ServingError, run_benchmark
+from serve.report import (
     RequestResult,
     acceptance_length,
     build_report,
@@ -295,7 +295,7 @@ def test_cli_all_failed_setting_exits_1(prompts_file):
 
 
 def test_help_documents_every_option():
-    run = subprocess.run([sys.executable, "-m", "eval.serving", "--help"], cwd=ROOT, capture_output=True,
+    run = subprocess.run([sys.executable, "-m", "serve.bench", "--help"], cwd=ROOT, capture_output=True,
                          text=True, timeout=60)
     assert run.returncode == 0
     for opt in ["--base", "--eagle", "--concurrency", "--max-tokens", "--prompts", "--num-prompts", "--warmup",

@@ -1,6 +1,6 @@
 """benchmarks/serving_gain_report.py pools interleaved repeats: counters summed (not τ averaged), paired ratios.
 
-The per-repeat levels are made by eval.serving's own statistics (summarize, apply_counter_delta) from
+The per-repeat levels are made by serve.bench's own statistics (summarize, apply_counter_delta) from
 request results and counter differences chosen here, so the pooled numbers can be worked out by hand.
 """
 
@@ -11,9 +11,9 @@ from dataclasses import asdict
 import pytest
 
 from benchmarks.serving_gain_report import detail_rows, headline_rows, markdown, summarize
-from eval.serving_acceptance import SpecDelta
-from eval.serving_report import RequestResult, apply_counter_delta
-from eval.serving_report import summarize as level_stats
+from serve.acceptance import SpecDelta
+from serve.report import RequestResult, apply_counter_delta
+from serve.report import summarize as level_stats
 
 
 def _level(c: int, tokens: int, seconds: float, counts: tuple[int, int, list[int]] | None) -> dict:

@@ -1,9 +1,9 @@
-"""benchmarks/serving_gain.py end to end at toy scale: real vLLM CPU servers (base, then drafter A), eval.serving's sweep.
+"""benchmarks/serving_gain.py end to end at toy scale: real vLLM CPU servers (base, then drafter A), serve.bench's sweep.
 
 Drafter A is the SmolLM2 logit-lens drafter built in a second (tests/helpers_embedded.py), given as a
 checkpoint so the script exports it itself. The report's JSON is held to its own counters: no acceptance
 for base, τ = 1 + accepted / drafts for A (per run and pooled), each draft step proposing K tokens, the
-tokens streamed bounded by what the verify rounds can yield, the request counts eval.serving's closed loop
+tokens streamed bounded by what the verify rounds can yield, the request counts serve.bench's closed loop
 sends, and the ratios to base from the same repeat.
 
 Needs the vLLM CPU venv (``make vllm-cpu-venv``): skipped without it, failed without it when

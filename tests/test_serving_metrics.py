@@ -1,4 +1,4 @@
-"""vLLM's /metrics read by eval.serving_acceptance, on text captured from a real vLLM CPU 0.32.0 server.
+"""vLLM's /metrics read by serve.acceptance, on text captured from a real vLLM CPU 0.32.0 server.
 
 The captures (tests/data/vllm_metrics_*.txt, each with a header saying how it was made): an EAGLE-3 server
 just started, the same server after 9 requests, a base server (no drafter) after the same requests, and a
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from eval.serving_acceptance import (
+from serve.acceptance import (
     MetricsError,
     SpecCounters,
     counters_delta,
@@ -22,7 +22,7 @@ from eval.serving_acceptance import (
     vllm_info,
     vllm_warnings,
 )
-from eval.serving_report import LevelStats, apply_counter_delta, build_report, render_report_text, summarize
+from serve.report import LevelStats, apply_counter_delta, build_report, render_report_text, summarize
 
 DATA = Path(__file__).resolve().parent / "data"
 

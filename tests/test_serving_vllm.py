@@ -1,8 +1,8 @@
-"""eval.serving against a real vLLM CPU server (``vllm serve`` with an EAGLE-3 drafter) started here.
+"""serve.bench against a real vLLM CPU server (``vllm serve`` with an EAGLE-3 drafter) started here.
 
 The drafter is built in a second (tests/helpers_embedded.py: the SmolLM2 target's own logit lens, a poor but
 real drafter) and exported with eval.export. The test reads the server's /metrics itself, before and after
-eval.serving's run, with a reader of its own, and holds eval.serving's numbers against that difference: the
+serve.bench's run, with a reader of its own, and holds serve.bench's numbers against that difference: the
 counters each setting added sum to the run's, τ is 1 + accepted / drafts of the setting's counters, and the
 tokens the server streamed are what those counters say a verify round yields (one token per round plus the
 accepted drafts, plus one from prefill per request).
@@ -20,8 +20,8 @@ import pytest
 from helpers_embedded import smollm2_dir, smollm2_logit_lens_drafter, vllm_venv_python
 
 from core.engines.vllm import EngineSettings, VLLMServer
-from eval import serving
 from eval.export import ExportConfig, export_checkpoint
+from serve import bench as serving
 
 pytestmark = pytest.mark.slow
 K = 3

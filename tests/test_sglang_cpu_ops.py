@@ -111,3 +111,18 @@ def test_attention_equals_sglang_and_the_math(opcheck, name, kinds):
     assert op["max_rel_diff_triton"] <= TOL and op["max_rel_diff_reference"] <= TOL, op
     if name == "decode_attention_cpu":
         assert op["pool_write_mismatches"] == 0  # the new k/v are in the pool at loc, nothing else moved
+
+
+def test_the_mla_drafters_cuda_synchronize_is_a_no_op_only_on_a_torch_without_cuda():
+    """SGLang's Eagle3DeepseekV2ForCausalLM.set_embed ends in torch.cuda.synchronize(), which raises on a CPU torch;
+    the site hook makes it a no-op once that module is imported there, and only then (sitecustomize.py)."""
+    code = ("import torch\n"
+            "try:\n    torch.cuda.synchronize(); before = 'ran'\nexcept Exception as e:\n    before = type(e).__name__\n"
+            "import sglang.srt.models.kimi_k25_eagle3\n"
+            "torch.cuda.synchronize()\n"
+            "print('VERDICT', before, torch.backends.cuda.is_built())\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(SITE)])}
+    proc = subprocess.run([sglang_venv_python(), "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    verdict = [line for line in proc.stdout.splitlines() if line.startswith("VERDICT")]
+    assert verdict == ["VERDICT AssertionError False"], (proc.stdout[-2000:], proc.stderr[-2000:])

@@ -163,7 +163,10 @@ def test_serve_eagle3_dry_run(tmp_path):
 def test_serve_reads_the_export_settings_and_passes_extras(tmp_path):
     draft = tmp_path / "draft"
     draft.mkdir()
-    from eval.export import LaunchPlan, sglang_command  # the command the export records in redraft.json
+    from core.engines.launch import (  # the command the export records in redraft.json
+        LaunchPlan,
+        sglang_command,
+    )
 
     command = sglang_command("/models/K25", str(draft), LaunchPlan(steps=5, topk=4, num_draft_tokens=8, tp=8))
     (draft / "redraft.json").write_text(json.dumps({"format": "redraft-export", "command": command}))

@@ -1,11 +1,11 @@
-"""eval.tune_model and eval.tune_report on numbers made here: the cost fit, the prediction, the answer's rules."""
+"""serve.cost_model and serve.tune_report on numbers made here: the cost fit, the prediction, the answer's rules."""
 
 from __future__ import annotations
 
 import pytest
 
-from eval import tune_model as tm
-from eval.tune_report import answer, recommendation
+from serve import cost_model as tm
+from serve.tune_report import answer, pays_sentence, recommendation
 
 
 def test_the_fit_recovers_a_linear_step_cost_and_predicts_from_offline_tau():
@@ -69,3 +69,21 @@ def test_the_answer_picks_the_best_paying_setting_and_the_crossover():
     # each engine at its own export: their aux layer ids differ by one for the same drafter (core.layers)
     assert "/drafts/d-sglang" in rec["sglang"] and "/drafts/d-vllm" not in rec["sglang"]
     assert "/drafts/d-vllm" in rec["vllm"] and "/drafts/d-sglang" not in rec["vllm"]
+
+
+def test_the_sentence_says_where_a_setting_pays_of_exactly_the_concurrencies_measured():
+    def ans(best_by_c, ngf):
+        return {"per_concurrency": [{"concurrency": c, "best": b} for c, b in best_by_c.items()],
+                "no_gain_from": ngf}
+
+    # the SGLang tune report's case: nothing pays at 1 stream, k1 does at 4 (the sentence once said "every")
+    assert pays_sentence(ans({1: None, 4: 1}, None)) == ("A setting beats base at concurrency 4; none does at 1.")
+    assert pays_sentence(ans({1: 2, 4: 1}, None)) == "A setting beats base at every concurrency measured."
+    assert pays_sentence(ans({1: None, 4: None}, 1)).startswith("No setting beats base at any concurrency")
+    assert pays_sentence(ans({1: 2, 4: None, 16: None}, 4)).endswith("None beats base from concurrency 4 on.")
+
+
+def test_a_recommendation_without_an_engines_export_leaves_its_line_out():
+    runs = [_run(0, "base", {1: 10}), _run(0, "k1", {1: 12})]
+    rec = recommendation(answer(runs, [1], {1: 1.3}, None), "/models/t", {"vllm": "/drafts/d-vllm"})
+    assert rec["sglang"] is None and "/drafts/d-vllm" in rec["vllm"]

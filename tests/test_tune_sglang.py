@@ -1,4 +1,4 @@
-"""eval.tune --engine sglang end to end on a tiny case against real SGLang servers (SGLang 0.5.23's own engine,
+"""serve.tune --engine sglang end to end on a tiny case against real SGLang servers (SGLang 0.5.23's own engine,
 on the CPU with redraft's stand-in for its kernels).
 
 The same case and the same checks as tests/test_tune_vllm.py (helpers_tune): the SmolLM2 logit-lens drafter on
@@ -17,7 +17,7 @@ import pytest
 from helpers_embedded import sglang_venv_python, smollm2_dir, smollm2_logit_lens_drafter
 from helpers_tune import check_report, tune_args
 
-from eval import tune
+from pipeline import tune
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang_cpu]
 
@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.sglang_cpu]
 def test_tune_sglang_end_to_end(tmp_path, capsys):
     ckpt = smollm2_logit_lens_drafter(tmp_path / "ckpt")
     out = tmp_path / "tune"
-    assert tune.main(tune_args(ckpt, smollm2_dir(), out, sglang_venv_python(), "sglang")) == 0
+    assert tune.cli(tune_args(ckpt, smollm2_dir(), out, sglang_venv_python(), "sglang")) == 0
     report = check_report(out, capsys.readouterr().out)
     assert report["engine"] == "sglang"
     limits = report["max_running_requests"]

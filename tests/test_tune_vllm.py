@@ -1,4 +1,5 @@
-"""eval.tune end to end on a tiny case against real vLLM CPU servers.
+"""pipeline.tune end to end (extract, eval.export, eval.acceptance, then serve.tune) on a tiny case against real
+vLLM CPU servers.
 
 The SmolLM2 logit-lens drafter (tests/helpers_embedded.py) on three MT-bench prompts answered by the target
 (extract --regenerate, HF backend): offline tau, a probe of base and k = 2, the cost model, and a sweep of base,
@@ -18,7 +19,7 @@ import pytest
 from helpers_embedded import smollm2_dir, smollm2_logit_lens_drafter, vllm_venv_python
 from helpers_tune import check_report, tune_args
 
-from eval import tune
+from pipeline import tune
 
 
 @pytest.mark.slow
@@ -26,13 +27,13 @@ def test_tune_end_to_end(tmp_path, capsys):
     py = vllm_venv_python()
     ckpt = smollm2_logit_lens_drafter(tmp_path / "ckpt")
     out = tmp_path / "tune"
-    assert tune.main(tune_args(ckpt, smollm2_dir(), out, py, "vllm")) == 0
+    assert tune.cli(tune_args(ckpt, smollm2_dir(), out, py, "vllm")) == 0
     check_report(out, capsys.readouterr().out)
 
 
-def test_tune_refuses_two_traffic_sources(tmp_path, capsys):
-    rc = tune.main(["ckpt", "--target", "smollm2-135m-instruct", "--prompts", "mtbench", "--data", "x",
-                    "--out", str(tmp_path / "t")])
+def test_tune_refuses_two_traffic_sources(tmp_path, caplog):
+    rc = tune.cli(["ckpt", "--target", "smollm2-135m-instruct", "--prompts", "mtbench", "--data", "x",
+                   "--out", str(tmp_path / "t")])
     assert rc == 2
-    assert "--prompts FILE_OR_NAME or as --data DATASET" in capsys.readouterr().err
+    assert "--prompts FILE_OR_NAME or as --data DATASET" in caplog.text
     assert not (tmp_path / "t").exists()

@@ -75,6 +75,7 @@ def check_init_compatible(
     problems = [
         f"{name}: {source} has {getattr(init, name)!r}, the data/config needs {getattr(wanted, name)!r}"
         + (f" (set drafter_attention: {init.attention} to warm-start from it)" if name == "attention" else "")
+        + (f" (set drafter_method: {init.method} to warm-start from it)" if name == "method" else "")
         for name in dict.fromkeys(fields)
         if getattr(init, name) != getattr(wanted, name)
     ]

@@ -119,6 +119,17 @@ class TrainConfig:
         "DeepSeek-V3's); with init_from it must be the init drafter's kind",
         choices=("gqa", "mla"),
     )
+    drafter_method: str = _drafter(
+        "eagle3",
+        "drafter method: eagle3; eagle3.1 (an RMSNorm per aux layer before fc, and each step passes the "
+        "post-norm state on: the engines' fc_norm and norm_output, both written into config.json); or p-eagle "
+        "(parallel drafting, vLLM only, attention gqa: drafts 2..K in the pass of draft 1, from slots that read "
+        "mask_token_id and a learned mask_hidden); with init_from it must be the init drafter's method",
+        choices=("eagle3", "eagle3.1", "p-eagle"),
+    )
+    mask_token_id: int | None = _drafter(
+        None, "p-eagle only: the token id every parallel slot embeds (default: the target's last vocab id; any id "
+        "serves, its embedding is the target's frozen row and mask_hidden is learned beside it)")
     attention_impl: str = _drafter(
         "eager",
         "the TTT attention kernel: eager (blocked, hand-written backward; the CPU default and the reference), sdpa "
@@ -186,6 +197,7 @@ class TrainConfig:
         if not 0.0 <= self.warmup_ratio < 1.0:
             raise ConfigError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         self._check_drafter_attention()
+        self._check_drafter_method()
         if self.resume not in ("none", "auto") and not Path(self.resume).is_dir():
             raise ConfigError(f"resume={self.resume!r}: expected none, auto or an existing checkpoint folder")
 
@@ -207,6 +219,20 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be >= 1, got {value}")
+
+    def _check_drafter_method(self) -> None:
+        """A method with keys of another, or one no engine serves with this attention, is refused by key."""
+        from core.drafter.config import PARALLEL_ATTENTION
+
+        if self.mask_token_id is not None and self.drafter_method != "p-eagle":
+            raise ConfigError(f"mask_token_id={self.mask_token_id} is a p-eagle setting but drafter_method is "
+                              f"{self.drafter_method}; set drafter_method: p-eagle, or drop the key")
+        if self.mask_token_id is not None and self.mask_token_id < 0:
+            raise ConfigError(f"mask_token_id must be a token id >= 0, got {self.mask_token_id}")
+        if self.drafter_method == "p-eagle" and self.drafter_attention not in PARALLEL_ATTENTION:
+            raise ConfigError(f"drafter_method=p-eagle with drafter_attention={self.drafter_attention}: vLLM 0.32 drafts "
+                              "in parallel only with Llama/Qwen3 EAGLE-3 drafters (its MLA drafter has no mask_hidden) "
+                              "and SGLang 0.5.23 not at all; use drafter_attention: gqa")
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 FINGERPRINT_KEYS = ("tokenizer_hash", "chat_template_hash")
 # Config fields a user may override; all but these two are tied to the data when warm-starting.
 OVERRIDABLE = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
-               "max_position_embeddings", "rope_theta")
+               "max_position_embeddings", "rope_theta", "mask_token_id")
 FREE_ON_INIT = ("max_position_embeddings", "rope_theta")
 
 
@@ -110,9 +110,14 @@ def drafter_config(cfg: TrainConfig, manifest: dict, target_path: Path) -> tuple
     from train.checkpoint import check_init_compatible
 
     overrides = {k: getattr(cfg, k) for k in (*OVERRIDABLE, *MLA_FIELDS) if getattr(cfg, k) is not None}
+    info = target_info(manifest, target_path)
+    defaults = {}  # a warm start keeps the init drafter's mask token unless one is given
+    if cfg.drafter_method == "p-eagle" and cfg.mask_token_id is None:
+        defaults["mask_token_id"] = int(info["vocab_size"]) - 1
     wanted = DrafterConfig.from_target(
-        target_info(manifest, target_path), cfg.draft_vocab_size, attention=cfg.drafter_attention,
-        torch_dtype="bfloat16" if cfg.dtype == "bf16" else "float32", **overrides)
+        info, cfg.draft_vocab_size, attention=cfg.drafter_attention,
+        method=cfg.drafter_method, torch_dtype="bfloat16" if cfg.dtype == "bf16" else "float32",
+        **overrides, **defaults)
     if not cfg.init_from:
         return wanted, None
     init_cfg, init_state = load_drafter_checkpoint(
@@ -120,7 +125,7 @@ def drafter_config(cfg: TrainConfig, manifest: dict, target_path: Path) -> tuple
     # Shapes tied to the data must agree; architecture fields come from the init drafter unless overridden.
     # A rebuilt draft vocabulary takes this run's draft_vocab_size, as a scratch run does.
     rebuild = cfg.warm_start_vocab == "rebuild"
-    fields = ("attention", "hidden_size", "target_hidden_size", "vocab_size",
+    fields = ("attention", "method", "hidden_size", "target_hidden_size", "vocab_size",
               *(() if rebuild else ("draft_vocab_size",)),
               "aux_layer_ids", *[k for k in overrides if k not in FREE_ON_INIT])
     check_init_compatible(init_cfg, wanted, cfg.init_from, fields)

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from core.alignment import step_offset
+
 # Default rows per chunk = CHUNK_ELEMENTS // Vd, at least MIN_CHUNK_ROWS: each [rows, Vd] fp32
 # temporary (logits, softmax, teacher rows) is then ~64 MB whatever the draft vocab.
 CHUNK_ELEMENTS = 1 << 24
@@ -121,7 +123,7 @@ def _plan(counted: torch.Tensor, chunk: int, hidden: int) -> list[list[tuple[int
         for w, c in enumerate(counts):
             if c == 0:
                 continue
-            a, b = w * chunk, min((w + 1) * chunk, n - 1 - k)  # teacher row r + 1 + k must exist
+            a, b = w * chunk, min((w + 1) * chunk, n - step_offset(k))  # its teacher row must exist
             wins.append((a, b) if c >= dense * (b - a) else flat[offset : offset + c])
             offset += c
         plans.append(wins)
@@ -144,7 +146,7 @@ def _run(weight, normed, plan):
     losses, corrects, accepts = [], [], []
     for k, (x, windows) in enumerate(zip(normed, _plan(counted, plan["chunk_rows"], hid), strict=True)):
         flat = x.reshape(-1, hid)
-        shift = 1 + k  # teacher row of hidden row r
+        shift = step_offset(k)  # teacher row of hidden row r is r + shift
         loss_sum = torch.zeros((), dtype=f32, device=dev)
         correct = torch.zeros((), dtype=f32, device=dev)
         accept = torch.zeros((), dtype=f32, device=dev)
@@ -213,11 +215,11 @@ def head_loss(
     """Loss and metrics of ``logits_k = normed[k] @ weight.T`` for TTT steps k = 0..K-1.
 
     ``normed[k]`` [B, T, H] is step k's normed hidden state; hidden row r (flat over B*T) is scored
-    against teacher row r + 1 + k. ``counted`` [K, B*T] bool: the rows in step k's metrics;
-    ``in_loss`` [K, B*T] bool: those also in its loss (a subset). loss_k = sum of soft-CE over the
-    loss rows / max(their number, 1); the total is sum_k decay^k loss_k. The gradient reaches
-    ``weight`` and every ``normed[k]`` that requires one. ``chunk_rows``: rows whose logits exist
-    at once (default: default_chunk_rows(Vd)).
+    against teacher row r + step_offset(k) = r + 1 + k (core.alignment). ``counted`` [K, B*T] bool:
+    the rows in step k's metrics; ``in_loss`` [K, B*T] bool: those also in its loss (a subset).
+    loss_k = sum of soft-CE over the loss rows / max(their number, 1); the total is sum_k decay^k
+    loss_k. The gradient reaches ``weight`` and every ``normed[k]`` that requires one.
+    ``chunk_rows``: rows whose logits exist at once (default: default_chunk_rows(Vd)).
     """
     steps = len(normed)
     if tuple(counted.shape) != (steps, targets.target_ids.numel()) or in_loss.shape != counted.shape:

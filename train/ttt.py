@@ -10,6 +10,8 @@ step k = 0..K-1:
 - embedded token: ground-truth token t+1+k (0 past the end; padded ids are replaced by 0, as
   SpecForge zero-pads);
 - hidden input: ``fc(aux[t])`` at k = 0, else the step k-1 output h2 at the same t (pre-norm);
+  P-EAGLE (parallel drafting) embeds its placeholder token and reads ``fc(mask_hidden)`` at k >= 1 instead
+  (``Eagle3Drafter.step_inputs``): the same cache pattern and teacher rows, so the same loss trains it;
 - RoPE position: ``position_ids[t] + k`` for the query and this step's key; cached keys keep theirs;
 - attention: one softmax over the step-0 keys at positions <= t (causal + key padding) and the
   keys of steps 1..k at position t (the "diagonal");
@@ -45,7 +47,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from core.alignment import shift_left
+from core.alignment import step_counted, step_rows
 from core.dataset.batch import Batch
 from core.drafter.modeling import Eagle3Drafter
 from core.drafter.ttt_attention import TTTCache
@@ -164,20 +166,20 @@ def ttt_forward(
     normed: list[torch.Tensor] = []
     all_logits: list[torch.Tensor] = []
     for k in range(steps):
-        hidden = drafter(shift_left(ids, 1 + k), hidden, position_ids + k, cache, attention_mask)
-        normed.append(drafter.norm(hidden))
+        tokens, hidden = drafter.step_inputs(k, step_rows(ids, k), hidden)  # P-EAGLE: its placeholder slot
+        hidden = drafter(tokens, hidden, position_ids + k, cache, attention_mask)
+        normed.append(drafter.logit_input(hidden))
         if return_logits:
             with torch.no_grad():
                 all_logits.append(drafter.lm_head(normed[-1]).detach())
 
-    # Rows per step: position t counts iff token t+2+k is a real assistant token (so t < T-2-k);
-    # it is in the loss iff teacher row t+1+k's argmax is a draft token as well.
+    # Rows per step (core.alignment): position t counts iff token t+2+k is a real assistant token
+    # (so t < T-2-k); it is in the loss iff teacher row t+1+k's argmax is a draft token as well.
     count = torch.zeros((steps, bsz, seq), dtype=torch.bool, device=device)
     in_loss = torch.zeros((steps, bsz, seq), dtype=torch.bool, device=device)
     for k in range(steps):
-        span = max(seq - 2 - k, 0)
-        count[k, :, :span] = counted_tok[:, 2 + k : 2 + k + span]
-        in_loss[k, :, :span] = count[k, :, :span] & in_draft[:, 1 + k : 1 + k + span]
+        count[k] = step_counted(counted_tok, k)
+        in_loss[k] = count[k] & step_rows(in_draft, k, False)
     n_loss = in_loss.sum((1, 2))  # [K]
     n_acc = count.sum((1, 2))  # [K]
     vd = teacher.target_p.shape[-1]

@@ -4,6 +4,14 @@ One drafter, two attention kinds chosen by ``attention`` (as transformers picks 
 ``gqa``, the Llama-style layer (``LlamaForCausalLMEagle3``: ``num_key_value_heads``, ``head_dim``), and ``mla``,
 DeepSeek's multi-head latent attention (``Eagle3DeepseekV2ForCausalLM``: ``q_lora_rank``, ``kv_lora_rank``,
 ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``). A config that mixes the two is refused by name.
+
+Three methods chosen by ``method`` (:data:`METHODS`): ``eagle3``; ``eagle3.1`` (either attention kind), which
+adds what both engines call ``fc_norm`` (an RMSNorm per aux layer's chunk before ``fc``) and ``norm_output``
+(the state a step passes to the next is taken after the final norm, the tensor ``lm_head`` reads); and
+``p-eagle`` (parallel drafting, vLLM's ``parallel_drafting``): draft 1 as EAGLE-3's first step, drafts 2..K in
+the same pass from slots that read a placeholder token (``mask_token_id``) and a learned ``mask_hidden`` instead
+of the previous step's token and state. One field, so that the switches cannot be mixed: the engines read each
+on its own, and a drafter trained with one rule and served with another drafts garbage silently.
 """
 
 from __future__ import annotations
@@ -21,6 +29,11 @@ from core.layers import check_servable
 log = logging.getLogger(__name__)
 
 ATTENTION_KINDS = ("gqa", "mla")
+METHODS = ("eagle3", "eagle3.1", "p-eagle")
+# The drafter classes that draft in parallel in vLLM 0.32 (Eagle3LlamaForCausalLM, Eagle3Qwen3ForCausalLM): its
+# MLA drafter (Eagle3DeepseekV2ForCausalLM) has no mask_hidden and fails at load, and SGLang 0.5.23 has no
+# parallel drafting at all.
+PARALLEL_ATTENTION = ("gqa",)
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 # (kv_lora_rank, qk_rope_head_dim) of every DeepSeek-V2/V3 and Kimi-K2 model, and the only latent the MLA
 # kernels of vLLM CPU, FlashMLA, FlashInfer and CUTLASS take.
@@ -61,6 +74,8 @@ class DrafterConfig:
     qk_nope_head_dim: int | None = None
     qk_rope_head_dim: int | None = None
     v_head_dim: int | None = None
+    method: str = "eagle3"  # or "eagle3.1": fc_norm + norm_output, or "p-eagle" (module docstring)
+    mask_token_id: int | None = None  # p-eagle only: the token id every parallel slot embeds
 
     def __post_init__(self) -> None:
         self.aux_layer_ids = [int(i) for i in self.aux_layer_ids]
@@ -69,6 +84,7 @@ class DrafterConfig:
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"DrafterConfig.{name} must be positive, got {getattr(self, name)}")
         self._check_attention_kind()
+        self._check_method()
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"DrafterConfig: num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -99,6 +115,28 @@ class DrafterConfig:
                 # What transformers and both engines default it to, pinned now: an export with a longer
                 # max_position_embeddings (the target's context) must not move the YaRN / llama3 frequencies.
                 self.rope_scaling["original_max_position_embeddings"] = int(self.max_position_embeddings)
+
+    def _check_method(self) -> None:
+        """A known method; p-eagle with its placeholder token and an attention kind the engine drafts in parallel."""
+        if self.method not in METHODS:
+            raise ValueError(f"DrafterConfig.method={self.method!r} is not one of {METHODS}")
+        if self.method != "p-eagle":
+            if self.mask_token_id is not None:
+                raise ValueError(f"DrafterConfig.mask_token_id={self.mask_token_id} is a p-eagle setting but method is "
+                                 f"{self.method!r}; set method: p-eagle, or drop mask_token_id")
+            return
+        if self.attention not in PARALLEL_ATTENTION:
+            raise ValueError(f"DrafterConfig.method='p-eagle' with attention={self.attention!r}: vLLM 0.32 drafts in "
+                             "parallel only with its Llama/Qwen3 EAGLE-3 classes (its MLA drafter, "
+                             "Eagle3DeepseekV2ForCausalLM, has no mask_hidden) and SGLang 0.5.23 not at all; "
+                             "use attention: gqa")
+        if self.mask_token_id is None:
+            raise ValueError("DrafterConfig.mask_token_id is required with method 'p-eagle' (vLLM refuses parallel "
+                             "drafting without a mask token id in config.json)")
+        self.mask_token_id = int(self.mask_token_id)
+        if not 0 <= self.mask_token_id < int(self.vocab_size):
+            raise ValueError(f"DrafterConfig.mask_token_id={self.mask_token_id} is outside the target vocab "
+                             f"[0, {self.vocab_size})")
 
     def _check_attention_kind(self) -> None:
         """The attention kind's own sizes are set, the other kind's are not (a mixed config is refused by key)."""
@@ -136,6 +174,21 @@ class DrafterConfig:
                 f"latent of {latent} is not served by vLLM CPU's MLA kernel nor by FlashMLA/FlashInfer/CUTLASS MLA, "
                 f"which take only kv_lora_rank {MLA_SERVED_LATENT[0]} + qk_rope_head_dim {MLA_SERVED_LATENT[1]}"
             )
+
+    @property
+    def fc_norm(self) -> bool:
+        """An RMSNorm (eps ``rms_norm_eps``) on each aux layer's chunk before ``fc`` (EAGLE-3.1)."""
+        return self.method == "eagle3.1"
+
+    @property
+    def norm_output(self) -> bool:
+        """Each step passes ``norm(h)``, the tensor ``lm_head`` reads, to the next step, not ``h`` (EAGLE-3.1)."""
+        return self.method == "eagle3.1"
+
+    @property
+    def parallel(self) -> bool:
+        """Drafts 2..K come from placeholder slots (mask token, ``mask_hidden``) in the pass of draft 1 (P-EAGLE)."""
+        return self.method == "p-eagle"
 
     @property
     def num_aux_layers(self) -> int:

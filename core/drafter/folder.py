@@ -87,7 +87,8 @@ def write_drafter_folder(folder: Path, cfg: DrafterConfig, state: Mapping[str, t
     floats = {v.dtype for v in state.values() if v.is_floating_point()}
     dtype = _DTYPE_NAMES.get(next(iter(floats)), None) if len(floats) == 1 else None
     save_file(state, str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
-    write_json(folder / CONFIG_NAME, serving_config(cfg, engine="sglang", torch_dtype=dtype))
+    engine = "vllm" if cfg.parallel else "sglang"  # P-EAGLE: vLLM is the engine that drafts in parallel
+    write_json(folder / CONFIG_NAME, serving_config(cfg, engine=engine, torch_dtype=dtype))
     write_json(folder / REDRAFT_RECORD, {**record, "drafter": cfg.to_dict()})
 
 

@@ -19,6 +19,17 @@ One step, :meth:`Eagle3Drafter.forward` (the math matches SpecForge 0.2.0 to fp3
     h2 = h1 + down(act(gate(y)) * up(y)),  y = post_attention_layernorm(h1)
     logits = lm_head(norm(h2))                                      # h2 (pre-norm) is fed back
 
+EAGLE-3.1 (``DrafterConfig.method``) changes two lines, as SGLang and vLLM read ``fc_norm`` and ``norm_output``:
+
+    h  = fc(cat(fc_norm[i](aux_i) for each aux layer i))           # not fc(cat(aux_i))
+    norm(h2) is fed back                                            # the tensor lm_head reads
+
+P-EAGLE (``method`` "p-eagle", vLLM's ``parallel_drafting``) changes what steps 1..K-1 read, not how they
+attend (:meth:`Eagle3Drafter.step_inputs`): the placeholder ``mask_token_id`` and ``fc(mask_hidden)``, the same
+for every slot, instead of the previous draft and state. vLLM puts those K-1 slots at positions p+1..p+K-1 after
+the bonus slot at p, in one causal pass: slot k sees the prefix up to p and slots 1..k, the TTT cache's pattern.
+``mask_hidden`` is pre-``fc`` (width n_aux * target hidden), as vLLM's loader and ``combine_hidden_states`` take it.
+
 Attention runs over a :class:`~core.drafter.ttt_attention.TTTCache` (causal over the first
 step's keys, plus each later step's same-position key): the training-time-test unroll and an
 engine's chain drafting see the same pattern, so training (train.ttt) and offline evaluation
@@ -228,7 +239,11 @@ class Eagle3Drafter(nn.Module):
         c = config
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
+        if c.fc_norm:  # EAGLE-3.1: fc_norm.{i}.weight, one per aux layer (the engines' names)
+            self.fc_norm = nn.ModuleList(RMSNorm(c.target_hidden_size, c.rms_norm_eps) for _ in range(c.num_aux_layers))
         self.fc = nn.Linear(c.num_aux_layers * c.target_hidden_size, c.hidden_size, bias=False)
+        if c.parallel:  # P-EAGLE: the aux-width state every parallel slot reads (vLLM's name, pre-fc)
+            self.mask_hidden = nn.Parameter(torch.randn(c.num_aux_layers * c.target_hidden_size) * 0.02)
         self.rope = Rope(c)
         self.midlayer = DrafterLayer(c, self.rope, attention_impl)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -322,12 +337,38 @@ class Eagle3Drafter(nn.Module):
 
     # ------------------------------------------------------------------ math
     def project(self, aux_hidden: torch.Tensor) -> torch.Tensor:
-        """fc over the concatenated aux layers [.., n_aux*Ht] -> [.., H]."""
-        return self.fc(aux_hidden.to(self.fc.weight.dtype))
+        """fc over the concatenated aux layers [.., n_aux*Ht] -> [.., H]; EAGLE-3.1 first norms each layer's
+        chunk on its own (``fc_norm``, in the order the layers are concatenated: ascending ids)."""
+        x = aux_hidden.to(self.fc.weight.dtype)
+        if self.config.fc_norm:
+            chunks = x.chunk(self.config.num_aux_layers, dim=-1)
+            x = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, chunks, strict=True)], dim=-1)
+        return self.fc(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """lm_head(norm(hidden)) over the draft vocab."""
-        return self.lm_head(self.norm(hidden))
+    def step_inputs(
+        self, step: int, tokens: torch.Tensor, state: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token ids, hidden) that step ``step`` >= 1 reads, given the chain's ``tokens`` [B, T] and the previous
+        step's ``state`` [B, T, H]: those as they are (EAGLE-3, 3.1), or P-EAGLE's placeholder slot, the same
+        for every position and step: ``mask_token_id`` and ``fc(mask_hidden)`` (through ``fc_norm`` if the method
+        had it, as vLLM's ``combine_hidden_states``)."""
+        if step < 1 or not self.config.parallel:
+            return tokens, state
+        ids = torch.full_like(tokens, int(self.config.mask_token_id))
+        return ids, self.project(self.mask_hidden).to(state.dtype).expand_as(state)
+
+    def output_state(self, h2: torch.Tensor) -> torch.Tensor:
+        """What a step passes on, to the next step and to the logits: the layer's output h2 (EAGLE-3), or
+        norm(h2) (EAGLE-3.1's ``norm_output``: the next step reads what lm_head reads)."""
+        return self.norm(h2) if self.config.norm_output else h2
+
+    def logit_input(self, state: torch.Tensor) -> torch.Tensor:
+        """The tensor lm_head reads from a step's state: always norm(h2), so EAGLE-3.1's state as is."""
+        return state if self.config.norm_output else self.norm(state)
+
+    def compute_logits(self, state: torch.Tensor) -> torch.Tensor:
+        """lm_head(norm(h2)) over the draft vocab, from a step's state (:meth:`output_state`)."""
+        return self.lm_head(self.logit_input(state))
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Engines' convention: target_id = draft_id + d2t[draft_id]."""
@@ -345,14 +386,15 @@ class Eagle3Drafter(nn.Module):
         cache: TTTCache,
         attention_mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        """One midlayer application over [B, T] positions; returns h2 (pre-norm) and appends K/V to cache.
+        """One midlayer application over [B, T] positions; returns its state (:meth:`output_state`: h2, or
+        norm(h2) for EAGLE-3.1) and appends K/V to cache.
 
         With an empty cache the step attends causally over its own keys (masked by
         ``attention_mask`` [B, T], 1 = real token). Otherwise it attends causally over the
         cached first-step keys plus the same-position keys of every later step, this one included.
         """
         cos, sin = self.rope_cos_sin(position_ids, torch.float32)
-        return self.midlayer(self.embed_tokens(input_ids), hidden, cos, sin, cache, attention_mask)
+        return self.output_state(self.midlayer(self.embed_tokens(input_ids), hidden, cos, sin, cache, attention_mask))
 
     def attention_inputs(
         self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor
@@ -365,6 +407,7 @@ class Eagle3Drafter(nn.Module):
         return mid.self_attn.project(mid.attention_input(self.embed_tokens(input_ids), hidden), cos, sin)
 
     def layer_output(self, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        """The midlayer after attention: o_proj, residual, MLP; ``attn_out`` [B, T, heads*v_head_dim] -> h2 [B, T, H]."""
+        """The midlayer after attention: o_proj, residual, MLP; ``attn_out`` [B, T, heads*v_head_dim] -> the step's
+        state [B, T, H] (:meth:`output_state`)."""
         mid = self.midlayer
-        return mid.feed_forward(hidden + mid.self_attn.o_proj(attn_out))
+        return self.output_state(mid.feed_forward(hidden + mid.self_attn.o_proj(attn_out)))

@@ -49,9 +49,17 @@ REWRITTEN_MODEL_TYPES = {
 FORMATS = ENGINES  # ("sglang", "vllm"): one serving format per engine
 EMBED_KEY = "embed_tokens.weight"  # the target's embedding: never in a serving checkpoint
 
-# config.json switches of newer EAGLE-3 variants that this drafter does not implement; written as
-# false on export, refused when true on import (norm_before_residual: vLLM only; SGLang never reads it).
-UNSUPPORTED_SWITCHES = ("norm_before_fc", "fc_norm", "use_aux_norm", "norm_output", "norm_before_residual")
+# config.json switches of EAGLE-3 variants that this drafter does not implement; written as false on export,
+# refused when true on import (norm_before_residual: vLLM only; SGLang never reads it).
+UNSUPPORTED_SWITCHES = ("norm_before_fc", "norm_before_residual")
+# EAGLE-3.1's two switches, read at config.json's top level by both engines (SGLang also reads use_aux_norm
+# for fc_norm); DrafterConfig.method sets both or neither.
+METHOD_SWITCHES = ("fc_norm", "norm_output")
+# P-EAGLE's placeholder token: the top-level keys vLLM 0.32 takes it from for an EAGLE-3 drafter, in its search
+# order (v1/spec_decode/llm_base_proposer.py _init_parallel_drafting_params; dflash_config is DFlash's). Export
+# writes the first.
+MASK_TOKEN_KEYS = ("mask_token_id", "pard_token", "ptd_token_id")
+MASK_HIDDEN_KEY = "mask_hidden"  # vLLM loads any tensor whose name contains it, pre-fc width
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -71,9 +79,18 @@ class TensorSpec:
         return f"{self.kind} {list(self.shape)}"
 
 
-def _check_format(fmt: str) -> None:
+def _check_format(fmt: str, cfg: DrafterConfig | None = None) -> None:
     if fmt not in FORMATS:
         raise ServingFormatError(f"unknown serving format {fmt!r}; expected one of {FORMATS}")
+    if cfg is not None and fmt not in serving_engines(cfg):
+        raise ServingFormatError(f"a p-eagle drafter has no {fmt} format: SGLang 0.5.23 has no parallel drafting "
+                                 "(vLLM serves it with speculative_config parallel_drafting); use --format vllm")
+
+
+def serving_engines(cfg: DrafterConfig) -> tuple[str, ...]:
+    """The engines that serve ``cfg``'s method: both, but vLLM alone for P-EAGLE (SGLang 0.5.23 has no parallel
+    drafting)."""
+    return ("vllm",) if cfg.parallel else FORMATS
 
 
 def expected_tensors(cfg: DrafterConfig, fmt: str = "sglang", with_embedding: bool = False) -> dict[str, TensorSpec]:
@@ -83,7 +100,7 @@ def expected_tensors(cfg: DrafterConfig, fmt: str = "sglang", with_embedding: bo
     fc reads the n_aux * H_target concatenation of aux layers. Keys carry no ``model.`` prefix
     (vLLM rejects it). ``embed_tokens.weight`` only for a standalone folder (``with_embedding``).
     """
-    _check_format(fmt)
+    _check_format(fmt, cfg)
     h, inter = cfg.hidden_size, cfg.intermediate_size
     f = "float"
     table = {
@@ -95,6 +112,9 @@ def expected_tensors(cfg: DrafterConfig, fmt: str = "sglang", with_embedding: bo
         "midlayer.input_layernorm.weight": TensorSpec((h,), f),
         "midlayer.post_attention_layernorm.weight": TensorSpec((h,), f),
         "fc.weight": TensorSpec((h, cfg.num_aux_layers * cfg.target_hidden_size), f),
+        **{f"fc_norm.{i}.weight": TensorSpec((cfg.target_hidden_size,), f)
+           for i in range(cfg.num_aux_layers if cfg.fc_norm else 0)},
+        **({MASK_HIDDEN_KEY: TensorSpec((cfg.num_aux_layers * cfg.target_hidden_size,), f)} if cfg.parallel else {}),
         "norm.weight": TensorSpec((h,), f),
         "lm_head.weight": TensorSpec((cfg.draft_vocab_size, h), f),
         "d2t": TensorSpec((cfg.draft_vocab_size,), "int64"),  # target id = draft id + d2t[draft id]
@@ -261,12 +281,13 @@ def serving_config(
     """config.json for ``engine``'s EAGLE-3 loader (and the training checkpoints' own config.json).
 
     Every field SGLang's ``LlamaForCausalLMEagle3`` and vLLM's loader read is written explicitly,
-    the switches of EAGLE-3 variants this drafter is not (``norm_before_fc``, ``fc_norm``,
-    ``norm_before_residual``) as false; ``norm_output`` is omitted because the engines and
-    SpecForge give it opposite meanings and every default matches this drafter. ``max_position_embeddings`` should be
-    the target's context length: SGLang refuses a drafter shorter than its target.
+    the switches of EAGLE-3 variants this drafter is not (``norm_before_fc``, ``norm_before_residual``) as
+    false. EAGLE-3.1 writes ``fc_norm`` and ``norm_output`` true; EAGLE-3 writes ``fc_norm`` false and leaves
+    ``norm_output`` out, because SpecForge reads it with another meaning and every reader's default is then
+    EAGLE-3's rule. ``max_position_embeddings`` should be the target's context length: SGLang refuses a drafter
+    shorter than its target.
     """
-    _check_format(engine)
+    _check_format(engine, cfg)
     engine_ids = to_engine_layer_ids(cfg.aux_layer_ids, engine, cfg.target_architecture, cfg.target_num_layers)
     config: dict[str, Any] = {
         "architectures": [SERVING_ARCHS[cfg.attention]],
@@ -290,10 +311,14 @@ def serving_config(
         "bias": False,
         "attention_bias": False,
         "mlp_bias": False,
-        # norm_output is left out on purpose: SGLang/vLLM read it as "feed back the post-norm hidden"
-        # (default false), SpecForge as "apply the final norm before lm_head" (default true); absent,
-        # every reader's default is this drafter.
-        **{name: False for name in UNSUPPORTED_SWITCHES if name not in ("use_aux_norm", "norm_output")},
+        **{name: False for name in UNSUPPORTED_SWITCHES},
+        # EAGLE-3: norm_output is left out on purpose: SGLang/vLLM read it as "feed back the post-norm hidden"
+        # (default false), SpecForge as "apply the final norm before lm_head" (default true); absent, every
+        # reader's default is EAGLE-3's rule. EAGLE-3.1: both true, the engines' meaning.
+        **({"fc_norm": True, "norm_output": True} if cfg.method == "eagle3.1" else {"fc_norm": False}),
+        # P-EAGLE: the placeholder token vLLM's parallel slots embed (top level; the switch itself is the launch's
+        # speculative_config parallel_drafting, see core.engines.launch.vllm_speculative_config)
+        **({MASK_TOKEN_KEYS[0]: cfg.mask_token_id} if cfg.parallel else {}),
         "torch_dtype": torch_dtype or cfg.torch_dtype,
         # nested: SGLang's target-side capture reads only eagle_config's ids
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": engine_ids, "use_aux_hidden_state": True},
@@ -360,6 +385,7 @@ def drafter_config_from_serving(
     for name in UNSUPPORTED_SWITCHES:
         if eagle.get(name) or config.get(name):
             raise ServingFormatError(f"{name}=true: this EAGLE-3 variant is not implemented by redraft's drafter")
+    method = served_method(config)
     engine_ids = eagle.get("eagle_aux_hidden_state_layer_ids")
     if engine_ids is None:
         if config.get("eagle_aux_hidden_state_layer_ids") is not None:
@@ -405,10 +431,64 @@ def drafter_config_from_serving(
             hidden_act=str(config.get("hidden_act", "silu")),
             torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or "bfloat16"),
             attention=attention,
+            method=method,
+            mask_token_id=_mask_token_of(config) if method == "p-eagle" else None,
             **shape,
         )
     except ValueError as e:
         raise ServingFormatError(str(e)) from e
+
+
+def served_method(config: Mapping[str, Any]) -> str:
+    """"eagle3", "eagle3.1" or "p-eagle" from a drafter config.json's top-level keys, as SGLang and vLLM read them.
+
+    Only the combinations a method is are accepted: the engines read each switch on its own, so a folder
+    with one of them would be served with a rule it was not trained with (fc_norm in ``eagle_config`` is read
+    by neither engine, and is refused rather than dropped). A top-level mask token (:data:`MASK_TOKEN_KEYS`)
+    makes it a P-EAGLE drafter, EAGLE-3's rules otherwise."""
+    eagle = config.get("eagle_config") or {}
+    nested = [name for name in (*METHOD_SWITCHES, "use_aux_norm", *MASK_TOKEN_KEYS) if name in eagle]
+    if nested:
+        raise ServingFormatError(f"eagle_config.{nested[0]}: SGLang and vLLM read it only at config.json's top "
+                                 "level; inside eagle_config it would be dropped and the drafter served without it")
+    fc_norm = bool(config.get("fc_norm") or config.get("use_aux_norm"))
+    norm_output = bool(config.get("norm_output"))
+    if any(key in config for key in MASK_TOKEN_KEYS):
+        if fc_norm or norm_output:
+            on = "fc_norm" if fc_norm else "norm_output"
+            raise ServingFormatError(f"{on}=true with a mask token ({_mask_key_of(config)}): redraft's p-eagle "
+                                     "drafter is EAGLE-3 drafting in parallel, without EAGLE-3.1's norms")
+        _mask_token_of(config)
+        return "p-eagle"
+    if fc_norm and norm_output:
+        return "eagle3.1"
+    if not fc_norm and not norm_output:
+        return "eagle3"
+    on, off = ("fc_norm", "norm_output") if fc_norm else ("norm_output", "fc_norm")
+    raise ServingFormatError(f"{on}=true with {off} false: neither EAGLE-3 nor EAGLE-3.1; the engines would serve "
+                             f"the drafter with {on}'s rule alone" + (
+                                 " (SpecForge writes norm_output with another meaning: 'final norm before "
+                                 "lm_head'; for SGLang and vLLM it means 'feed the post-norm state back')"
+                                 if on == "norm_output" else ""))
+
+
+def _mask_key_of(config: Mapping[str, Any]) -> str:
+    """The key vLLM takes the mask token from: the first of :data:`MASK_TOKEN_KEYS` present (mask_token_id only
+    when not null, as vLLM skips a null one)."""
+    for key in MASK_TOKEN_KEYS:
+        if key in config and (key != "mask_token_id" or config[key] is not None):
+            return key
+    return MASK_TOKEN_KEYS[0]
+
+
+def _mask_token_of(config: Mapping[str, Any]) -> int:
+    """P-EAGLE's placeholder token id, from the key vLLM reads; a null or non-integer one is refused by key."""
+    key = _mask_key_of(config)
+    value = config.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ServingFormatError(f"{key}={value!r}: P-EAGLE's mask token must be a token id (vLLM embeds it in every "
+                                 "parallel slot)")
+    return value
 
 
 def _attention_kind_of(config: Mapping[str, Any]) -> str:

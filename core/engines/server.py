@@ -185,7 +185,7 @@ async def detect_server(session: aiohttp.ClientSession, url: str, api: str = "au
     """Which engine answers at ``url``: SGLang when ``/model_info`` (or the older ``/get_model_info``) names a
     ``model_path``, else vLLM when ``/v1/models`` lists a model (vLLM has no ``/model_info``). ``api`` other
     than "auto" restricts the check to that engine; ServerError when neither answers as asked. Shared by
-    regeneration (``core.engines.server``) and the serving benchmark (``eval.serving``)."""
+    regeneration (``core.engines.server``) and the serving benchmark (``serve.bench``)."""
     info: ServerInfo | None = None
     if api in ("auto", "sglang"):
         for path in ("/model_info", "/get_model_info"):

@@ -209,7 +209,7 @@ def server_flags(kwargs: Mapping[str, Any]) -> list[str]:
 class SGLangServer(ServerProcess):
     """``python -m sglang.launch_server`` on 127.0.0.1 (context manager), with the same runtime, CPU settings and
     refusals as :class:`SGLangEngine`; ready when ``/model_info`` answers (its own warm-up is skipped: the
-    benchmark warms up itself). For ``eval.tune --engine sglang`` and tests of the server path."""
+    benchmark warms up itself). For ``serve.tune --engine sglang`` and tests of the server path."""
 
     def __init__(self, engine_kwargs: Mapping[str, Any], *, python: str | None = None, port: int = 0,
                  timeout_s: float = 900, extra_env: dict[str, str] | None = None) -> None:

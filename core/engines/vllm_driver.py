@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 from core.engines.driver_protocol import driver_main
+from core.engines.launch import vllm_speculative_config
 
 COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
 PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
@@ -193,8 +194,7 @@ class Driver:
         if backend := cpu_attention_backend(kwargs["dtype"], settings["target"], on_cpu):
             kwargs["attention_backend"] = backend
         if self.drafter:
-            kwargs["speculative_config"] = {"method": "eagle3", "model": self.drafter,
-                                            "num_speculative_tokens": self.steps}
+            kwargs["speculative_config"] = vllm_speculative_config(self.drafter, self.steps)
             if backend := cpu_attention_backend(kwargs["dtype"], self.drafter, on_cpu):
                 kwargs["speculative_config"]["attention_backend"] = backend
         self.capture_dir: str | None = None

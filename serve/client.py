@@ -1,4 +1,4 @@
-"""The transport of ``eval.serving``: one streamed request with bounded time-outs and retries, and a closed loop.
+"""The transport of ``serve.bench``: one streamed request with bounded time-outs and retries, and a closed loop.
 
 APIs, per engine (``Target.engine`` x ``Target.api``):
 
@@ -26,10 +26,10 @@ import aiohttp
 
 from core.engines.server import RETRYABLE_STATUS
 from core.engines.sglang_driver import spec_counters
-from eval.serving_acceptance import sglang_request_acceptance
-from eval.serving_report import RequestResult
+from serve.acceptance import sglang_request_acceptance
+from serve.report import RequestResult
 
-logger = logging.getLogger("eval.serving")
+logger = logging.getLogger("serve.bench")
 
 
 class RequestFailed(Exception):

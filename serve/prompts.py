@@ -1,4 +1,4 @@
-"""Prompts for ``eval.serving``: first user turns from a file (default MT-bench), rendered with the target's template.
+"""Prompts for ``serve.bench``: first user turns from a file (default MT-bench), rendered with the target's template.
 
 The token-id APIs (SGLang ``/generate``, vLLM ``/v1/completions``) apply no chat template, so the
 prompts are rendered here with the target's own tokenizer; raw text would measure acceptance on
@@ -46,7 +46,7 @@ def load_prompts(path: str | None, num: int) -> tuple[list[str], str]:
     OpenAI ``messages`` or ShareGPT ``conversations``; a ``.txt`` file holds one prompt per line.
     """
     if path is None:
-        from core.embedded import resolve_data
+        from catalog.builtin import resolve_data
 
         src = Path(resolve_data("mtbench"))
     else:

@@ -1,8 +1,8 @@
-"""The answer of ``eval.tune``: per concurrency the best setting and its speed-up, where speculation stops
+"""The answer of ``serve.tune``: per concurrency the best setting and its speed-up, where speculation stops
 paying, the launch lines, and the cost model's prediction beside every measured ratio.
 
 Definitions (in the report's ``definitions``): a setting's speed-up at concurrency c is the median over
-repeats of its aggregate tokens/s over base's in the same repeat (eval.serving_repeats' paired ratio), with the
+repeats of its aggregate tokens/s over base's in the same repeat (serve.repeats' paired ratio), with the
 min and max over repeats; a setting *pays* at c when that median is above 1. The best setting at c is the one
 with the highest median. ``no_gain_from`` is the lowest concurrency of the sweep from which on no setting pays.
 """
@@ -15,8 +15,8 @@ from typing import Any
 
 from core.atomic import atomic_write_text
 from core.plotting import atomic_write_png, pyplot
-from eval.serving_repeats import BASE, pool_server
-from eval.serving_report import render_markdown_table as markdown_table
+from serve.repeats import BASE, pool_server
+from serve.report import render_markdown_table as markdown_table
 
 DEFINITIONS = {
     "speedup": "median over repeats of the setting's aggregate tokens/s / base's in the same repeat (min-max over "
@@ -27,7 +27,7 @@ DEFINITIONS = {
     "tau_offline": "eval.acceptance on the same traffic (the engine walk, chain of k drafts)",
     "max_running_requests": "each server's request limit as it reports it (SGLang /server_info: 48 when it "
                             "speculates and none was asked; vLLM reports none here)",
-    "predicted": "eval.tune_model: tau_offline(k) x base step / (a + b k), the step costs from the probes",
+    "predicted": "serve.cost_model: tau_offline(k) x base step / (a + b k), the step costs from the probes",
     "error": "predicted / measured speedup - 1",
     "pays": "the median speed-up is above 1",
     "no_gain_from": "the lowest concurrency of the sweep from which on no setting pays (None: one pays at every "
@@ -77,8 +77,9 @@ def recommendation(ans: dict[str, Any], target: str, drafters: dict[str, str], t
                    trust_remote_code: bool = False) -> dict[str, Any] | None:
     """The best setting at the lowest concurrency where one pays, served up to the highest concurrency at
     which that same setting still pays: the SGLang and vLLM launch lines with those limits, each engine pointed
-    at its own export (``drafters``: engine -> folder; the engines read aux layer ids differently, core.layers)."""
-    from eval.export import LaunchPlan, launch_command
+    at its own export (``drafters``: engine -> folder; the engines read aux layer ids differently, core.layers);
+    None for an engine without an export."""
+    from core.engines.launch import ENGINES, LaunchPlan, launch_command
 
     first = next((e for e in ans["per_concurrency"] if e["best"] is not None), None)
     if first is None:
@@ -87,12 +88,25 @@ def recommendation(ans: dict[str, Any], target: str, drafters: dict[str, str], t
     limit = max(e["concurrency"] for e in ans["per_concurrency"]
                 if any(r["k"] == k and (r["speedup"]["median"] or 0) > 1.0 for r in e["settings"]))
     plan = LaunchPlan(steps=k, topk=1, tp=tp, max_running_requests=limit, trust_remote_code=trust_remote_code)
-    return {"k": k, "max_running_requests": limit,
-            "sglang": launch_command("sglang", target, drafters["sglang"], plan),
-            "vllm": launch_command("vllm", target, drafters["vllm"], plan)}
+    lines = {e: launch_command(e, target, drafters[e], plan) if e in drafters else None for e in ENGINES}
+    return {"k": k, "max_running_requests": limit, **lines}
 
 
 # ----------------------------------------------------------------------------- rendering
+
+
+def pays_sentence(ans: dict[str, Any]) -> str:
+    """Where a setting beats base, said of exactly the concurrencies measured (none, some or all)."""
+    pays = [e["concurrency"] for e in ans["per_concurrency"] if e["best"] is not None]
+    not_paying = [e["concurrency"] for e in ans["per_concurrency"] if e["best"] is None]
+    if not pays:
+        return "No setting beats base at any concurrency measured: serve base."
+    if not not_paying:
+        return "A setting beats base at every concurrency measured."
+    said = (f"A setting beats base at concurrency {', '.join(map(str, pays))}; none does at "
+            f"{', '.join(map(str, not_paying))}.")
+    ngf = ans["no_gain_from"]
+    return said + (f" None beats base from concurrency {ngf} on." if ngf is not None else "")
 
 
 def _f(v: Any, digits: int = 2) -> str:
@@ -142,7 +156,7 @@ def cost_rows(report: dict[str, Any]) -> list[list[str]]:
 
 def markdown(report: dict[str, Any]) -> str:
     s, t = report["settings"], report["traffic"]
-    lines = ["# Speculative settings that pay: eval.tune", "",
+    lines = ["# Speculative settings that pay: serve.tune", "",
              f"Drafter `{s['drafter']}` on target `{s['target']}`, "
              f"{'SGLang' if report.get('engine') == 'sglang' else 'vLLM'} {report.get('engine_version') or '?'}, dtype "
              f"{s['dtype']}. Traffic: {t['samples']} samples of `{t['source']}` answered by the target "
@@ -154,14 +168,14 @@ def markdown(report: dict[str, Any]) -> str:
         lines += ["Prediction only (`--predict-only`): no sweep was run.", ""]
     else:
         lines += ["## The answer", "", markdown_table(answer_rows(report)), ""]
-        ngf = ans["no_gain_from"]
-        lines.append(f"No setting beats base from concurrency {ngf} on." if ngf is not None
-                     else "A setting beats base at every concurrency measured.")
+        lines.append(pays_sentence(ans))
         rec = report.get("recommendation")
         if rec:
+            launch = [rec[e] or f"# no {e} export given: python -m eval.export CKPT OUT --format {e}"
+                      for e in ("sglang", "vllm")]
             lines += ["", f"Serve with k = {rec['k']} up to {rec['max_running_requests']} concurrent requests "
                       "(the highest concurrency measured at which it still beats base):", "", "```",
-                      rec["sglang"], "", rec["vllm"], "```"]
+                      launch[0], "", launch[1], "```"]
         limits = report.get("max_running_requests") or {}
         if any(v is not None for v in limits.values()):
             lines += ["", "max_running_requests as each server reported it: "
@@ -169,7 +183,7 @@ def markdown(report: dict[str, Any]) -> str:
         lines += ["", "## Every setting (median over repeats, min-max in brackets)", "",
                   markdown_table(detail_rows(report)), ""]
     if report.get("costs"):
-        lines += ["## The cost model", "", "Step costs per stream from the probes (eval/tune_model.py): ", "",
+        lines += ["## The cost model", "", "Step costs per stream from the probes (serve/cost_model.py): ", "",
                   markdown_table(cost_rows(report)), ""]
         if ans is None:
             pred = report["predicted"]
@@ -205,7 +219,7 @@ def write_plot(report: dict[str, Any], path: Path) -> None:
     ax.set_xlabel("concurrent streams")
     ax.set_ylabel("aggregate tokens/s / base (dashed: predicted)")
     ax.legend(fontsize=8)
-    fig.suptitle(f"eval.tune: {Path(report['settings']['drafter']).name} on {Path(report['traffic']['source']).name}",
+    fig.suptitle(f"serve.tune: {Path(report['settings']['drafter']).name} on {Path(report['traffic']['source']).name}",
                  fontsize=9)
     fig.tight_layout()
     atomic_write_png(fig, path)

@@ -1,18 +1,18 @@
 """Interleaved repeats on fresh vLLM or SGLang servers, and their pooling: the one sweep
-``benchmarks/serving_gain.py`` and ``eval.tune`` both run.
+``benchmarks/serving_gain.py`` and ``serve.tune`` both run.
 
 Each repeat starts every server in turn (base, then each drafter or setting), measures it with
-``eval.serving``'s sweep (warm-up, each concurrency, the engine's spec-decode counters around each) and stops
+``serve.bench``'s sweep (warm-up, each concurrency, the engine's spec-decode counters around each) and stops
 it; repeats interleave (a, b, c, a, b, c, ...) so that load from elsewhere on the machine hits every server
 alike. Start-up is reported apart from every rate.
 
 Pooling over repeats:
 
 - tokens/s (aggregate and per stream): median over repeats, with min and max;
-- TTFT/TPOT percentiles: median over repeats of each repeat's percentile (eval.serving's definitions);
+- TTFT/TPOT percentiles: median over repeats of each repeat's percentile (serve.bench's definitions);
 - acceptance: the spec-decode counters summed over repeats (vLLM: its ``/metrics`` counters' differences;
   SGLang: each answer's own ``meta_info`` counters), then τ = 1 + accepted / drafts and accepted at position k
-  / drafts (vLLM's definitions, as eval.serving reads them); n/a without a drafter;
+  / drafts (vLLM's definitions, as serve.bench reads them); n/a without a drafter;
 - ratio to base: median over repeats of (server / base) in the same repeat (the pairs the interleaving makes).
 """
 
@@ -29,7 +29,7 @@ from typing import Any
 
 from core.engines.driver_protocol import EngineError
 from core.engines.vllm import EngineSettings, VLLMServer
-from eval.serving_prompts import ServingError
+from serve.prompts import ServingError
 
 log = logging.getLogger(__name__)
 BASE = "base"
@@ -91,10 +91,10 @@ class ServerOptions:
 
 
 def measure(spec: ServerSpec, url: str, cfg: Any, prompts: Sequence[str], ids: Sequence[list[int]]) -> dict[str, Any]:
-    """eval.serving's sweep against one running server (warm-up, each concurrency, counters around each)."""
-    from eval.serving import bench_server
-    from eval.serving_acceptance import is_cap_advice
-    from eval.serving_client import Target
+    """serve.bench's sweep against one running server (warm-up, each concurrency, counters around each)."""
+    from serve.acceptance import is_cap_advice
+    from serve.bench import bench_server
+    from serve.client import Target
 
     role = BASE if spec.drafter is None else "eagle"
     result = asyncio.run(bench_server(Target(role, url, "native"), cfg, prompts, ids))
@@ -153,13 +153,13 @@ def spread(values: Sequence[float | None]) -> dict[str, Any]:
 
 def pooled_counts(levels: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The spec-decode counters' differences summed over repeats (None when no repeat has any)."""
-    from eval.serving_report import sum_counts
+    from serve.report import sum_counts
 
     return sum_counts([lv["spec_counts"] for lv in levels if lv.get("spec_counts")])
 
 
 def pool_level(levels: list[dict[str, Any]]) -> dict[str, Any]:
-    """One server at one concurrency over its repeats (eval.serving LevelStats dicts, one per repeat)."""
+    """One server at one concurrency over its repeats (serve.bench LevelStats dicts, one per repeat)."""
     counts = pooled_counts(levels)
     drafts = counts["num_drafts"] if counts else 0
     pcts = ("p50", "p90", "p99")

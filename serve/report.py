@@ -12,7 +12,7 @@ Conventions (stated in every output):
   tokens, not a mean of per-request ratios, so short answers do not dominate; the per-request mean
   of ``spec_accept_length`` is kept alongside; the first token, from prefill, is counted too, so it
   reads high on short answers). vLLM: 1 + Δaccepted / Δdrafts of the ``/metrics`` counters around
-  the setting, and per position Δaccepted[k] / Δdrafts (``eval/serving_acceptance.py``).
+  the setting, and per position Δaccepted[k] / Δdrafts (``serve/acceptance.py``).
 - A server without a drafter has no acceptance: n/a, never 1.0.
 """
 
@@ -30,7 +30,7 @@ from core.atomic import atomic_write_bytes
 from core.plotting import atomic_write_png, pyplot
 
 if TYPE_CHECKING:
-    from eval.serving_acceptance import SpecDelta
+    from serve.acceptance import SpecDelta
 
 PERCENTILES = (50, 90, 99)
 SCHEMA = "redraft.serving/2"

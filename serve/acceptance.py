@@ -1,7 +1,7 @@
-"""Where each engine's acceptance comes from, for ``eval.serving``: SGLang per request, vLLM from counters.
+"""Where each engine's acceptance comes from, for ``serve.bench``: SGLang per request, vLLM from counters.
 
 - SGLang: every ``/generate`` answer carries ``meta_info.spec_verify_ct`` (verify rounds) next to
-  ``completion_tokens``; acceptance = Σ tokens / Σ rounds (``eval/serving_report.py``). ``/server_info``
+  ``completion_tokens``; acceptance = Σ tokens / Σ rounds (``serve/report.py``). ``/server_info``
   gives the speculative settings and ``max_running_requests``, whose default of 48 in speculative
   mode is warned about loudly.
 - vLLM: no per-request numbers over HTTP. Its Prometheus ``/metrics`` carries the engine's global
@@ -24,8 +24,8 @@ from typing import Any
 
 import aiohttp
 
+from core.engines.counters import aggregate
 from core.engines.vllm_driver import COUNTERS, PER_POS
-from eval.online import aggregate
 
 SGLANG_SPEC_DEFAULT_MAX_RUNNING = 48  # speculative_hook._handle_eagle_family when --max-running-requests is unset
 CAP_ADVICE = "SGLang's cap for speculative decoding"
@@ -213,7 +213,7 @@ class SpecDelta:
 
 
 def counters_delta(before: SpecCounters, after: SpecCounters) -> SpecDelta:
-    """after − before; τ and the per-position rates by ``eval.online.aggregate`` (vLLM's definitions)."""
+    """after − before; τ and the per-position rates by ``core.engines.counters.aggregate`` (vLLM's definitions)."""
     if len(after.num_accepted_tokens_per_pos) < len(before.num_accepted_tokens_per_pos):
         raise MetricsError("the per-position counters shrank between two scrapes: was the server restarted?")
     k = len(after.num_accepted_tokens_per_pos)
