@@ -129,6 +129,12 @@ def to_engine_layer_ids(ids: Sequence[int], engine: str, architecture: str,
     return shifted
 
 
+def to_dflash_layer_ids(ids: Sequence[int], architecture: str) -> list[int]:
+    """``dflash_config.target_layer_ids`` that make vLLM capture exactly ``ids``: vLLM adds 1 to each to get the
+    ids it captures (``get_eagle3_aux_layers_from_config``), so they are its EAGLE ids less one."""
+    return [i - 1 for i in to_engine_layer_ids(ids, "vllm", architecture)]
+
+
 def from_engine_layer_ids(ids: Sequence[int], engine: str, architecture: str) -> list[int]:
     """Inverse of :func:`to_engine_layer_ids`: what an existing drafter config's ids mean in our convention.
 

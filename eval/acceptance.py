@@ -375,6 +375,10 @@ def evaluate(
     if drafter.config.parallel and (settings.topk > 1 or settings.engine != "vllm"):
         raise AcceptanceError(f"{checkpoint_path}: a p-eagle drafter is served by vLLM's parallel drafting only (one "
                               "chain, no tree; SGLang 0.5.23 has none): use --engine vllm and --topk 1")
+    if drafter.config.block and (settings.topk > 1 or settings.engine != "vllm"):
+        raise AcceptanceError(f"{checkpoint_path}: a dflash drafter is served by vLLM's DFlash proposer only (one "
+                              "block, no tree; SGLang 0.5.23 serves DFlash on CUDA, NPU and XPU, not on this CPU): use "
+                              "--engine vllm and --topk 1")
     split_desc = "given"
     if indices is None:
         indices, split_desc = select_samples(reader, [record], split, max_samples)

@@ -16,7 +16,7 @@ import torch
 
 from core.batching import pack_batches
 from core.drafter.folder import CheckpointError, load_drafter_checkpoint, read_record, resolve_drafter_folder
-from core.drafter.modeling import Eagle3Drafter
+from core.drafter.kinds import build_drafter
 from core.target_weights import read_target_tensor, weight_key_candidates
 from core.teacher_targets import teacher_from_last_hidden, teacher_from_topk, topk_argmax
 
@@ -115,7 +115,7 @@ def load_drafter(
     manifest = reader.manifest
     cfg, state = _load_checked(folder, reader)
     impl = "sdpa" if str(device).startswith("cuda") else "eager"
-    drafter = Eagle3Drafter(cfg, attention_impl=impl)
+    drafter = build_drafter(cfg, attention_impl=impl)
     drafter.load_serving_state_dict(state)
     tpath = target_folder(manifest, target, str(reader.root))
     drafter.load_target_embedding(tpath, _key_candidates(manifest, tpath, "embed"))

@@ -43,7 +43,7 @@ from core.drafter.folder import (
     read_record,
     resolve_drafter_folder,
 )
-from core.drafter.modeling import Eagle3Drafter
+from core.drafter.kinds import build_drafter
 from core.drafter.rope import engine_rope_deviations
 from core.drafter.serving_format import (
     EMBED_KEY,
@@ -153,13 +153,13 @@ def _from_record(record: Mapping[str, Any]) -> tuple[str | None, str | None]:
 
 
 def read_target_embedding(cfg: DrafterConfig, target: Path, candidates: list[str], dtype: torch.dtype) -> torch.Tensor:
-    """The target's input embedding [V, H] through Eagle3Drafter.load_target_embedding (shape-checked).
+    """The target's input embedding [V, H] through the drafter's load_target_embedding (shape-checked).
 
     The drafter is built on the meta device so only the embedding is ever allocated (without rope
     scaling, whose init functions need real tensors; the embedding does not depend on it).
     """
     with torch.device("meta"):
-        drafter = Eagle3Drafter(replace(cfg, rope_scaling=None))
+        drafter = build_drafter(replace(cfg, rope_scaling=None))
     weight = torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
     drafter.embed_tokens = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=weight, _freeze=True)
     drafter.load_target_embedding(target, candidates)

@@ -16,6 +16,10 @@ answer lasts (``x[p+2+j]`` a real assistant token for ``j <= k``). Where either 
 cut: the count is then a lower bound ("off_path") or the natural end of the answer ("end").
 Accepted drafts for a shorter chain ``K' <= K`` are ``min(n, K')``: one K-run gives every length.
 
+DFlash (``DrafterConfig.method`` "dflash") drafts the whole chain in one block pass after position ``p``
+(:meth:`core.drafter.dflash.DFlashDrafter.block_states`): its drafts never read each other, so the chain is the
+block's K argmaxes, verified by the same rows.
+
 Temperature > 0 (:func:`simulate_chain_sampled`): the expected number of accepted drafts,
 ``sum_k prod_{j<=k} alpha_j``. Rule ``target_only`` (both engines' default; see eval.acceptance):
 the drafts are the drafter's argmax and ``alpha_j = p_j(d_j)``, the teacher's probability of the
@@ -172,29 +176,21 @@ def simulate_chain_greedy(
     target_ids: torch.Tensor,
     steps: int,
     step0: Step0 | None = None,
-) -> tuple[ChainResult, Step0]:
+) -> tuple[ChainResult, Step0 | None]:
     """Greedy chain drafting (SGLang topk=1) at every drafting position of a right-padded batch.
 
     ``target_ids`` [B, T] is the teacher's full-vocab argmax of each row. Returns the per-position
-    result and the step-0 state (reusable by :func:`simulate_tree`).
+    result and the step-0 state (reusable by :func:`simulate_tree`; None for DFlash, which drafts no tree).
     """
     if steps < 1:
         raise ValueError(f"simulate_chain_greedy: steps must be >= 1, got {steps}")
-    s0 = step0 if step0 is not None else run_step0(drafter, input_ids, aux_hidden, attention_mask)
-    bsz, seq = input_ids.shape
-    pos = torch.arange(seq, device=input_ids.device).expand(bsz, seq)
-    # private cache: the prefix keys are shared, the diagonal keys are this chain's own
-    cache = TTTCache(keys=[s0.cache.keys[0]], values=[s0.cache.values[0]])
-    d = s0.logits.argmax(-1)
-    tok = drafter.draft_to_target(d)
-    hidden = s0.hidden
-    drafts = [tok]
-    for k in range(1, steps):
-        tok_in, hidden = drafter.step_inputs(k, tok, hidden)  # P-EAGLE: the placeholder slot at p + k
-        hidden = drafter(tok_in, hidden, pos + k, cache, s0.attention_mask)
-        d = drafter.compute_logits(hidden).argmax(-1)
-        tok = drafter.draft_to_target(d)
-        drafts.append(tok)
+    if drafter.config.block:  # DFlash: every draft from one block pass; no step-0 state to share with trees
+        s0 = None
+        drafts = [drafter.draft_to_target(drafter.compute_logits(state).argmax(-1))
+                  for state in drafter.block_states(input_ids, aux_hidden, attention_mask, steps)]
+    else:
+        s0 = step0 if step0 is not None else run_step0(drafter, input_ids, aux_hidden, attention_mask)
+        drafts = _chain_drafts(drafter, s0, steps)
     drafts_t = torch.stack(drafts, -1)  # [B, T, K]
     end_ok, path_ok = evaluable(input_ids, loss_mask, attention_mask, target_ids, steps)
     where = drafting_positions(loss_mask, attention_mask)
@@ -203,6 +199,23 @@ def simulate_chain_greedy(
     b, t = torch.nonzero(where, as_tuple=True)
     accept = (torch.arange(steps, device=n.device) < n[:, None]).to(torch.float32)
     return ChainResult(sample=b, position=t, accept_prob=accept, reason=reason, drafts=drafts_t[where]), s0
+
+
+def _chain_drafts(drafter: Eagle3Drafter, s0: Step0, steps: int) -> list[torch.Tensor]:
+    """The greedy chain's drafts (target ids [B, T]) per step, each step reading the previous draft."""
+    bsz, seq = s0.attention_mask.shape
+    pos = torch.arange(seq, device=s0.hidden.device).expand(bsz, seq)
+    # private cache: the prefix keys are shared, the diagonal keys are this chain's own
+    cache = TTTCache(keys=[s0.cache.keys[0]], values=[s0.cache.values[0]])
+    tok = drafter.draft_to_target(s0.logits.argmax(-1))
+    hidden = s0.hidden
+    drafts = [tok]
+    for k in range(1, steps):
+        tok_in, hidden = drafter.step_inputs(k, tok, hidden)  # P-EAGLE: the placeholder slot at p + k
+        hidden = drafter(tok_in, hidden, pos + k, cache, s0.attention_mask)
+        tok = drafter.draft_to_target(drafter.compute_logits(hidden).argmax(-1))
+        drafts.append(tok)
+    return drafts
 
 
 @torch.no_grad()
@@ -228,19 +241,9 @@ def simulate_chain_sampled(
         raise ValueError(f"simulate_chain_sampled: temperature must be > 0, got {temperature}")
     if rule not in ("target_only", "rejection"):
         raise ValueError(f"simulate_chain_sampled: rule must be 'target_only' or 'rejection', got {rule!r}")
-    s0 = run_step0(drafter, input_ids, aux_hidden, attention_mask)
-    bsz, seq = input_ids.shape
-    mask = s0.attention_mask
-    ids = input_ids.to(torch.int64).masked_fill(~mask, 0)
-    pos = torch.arange(seq, device=ids.device).expand(bsz, seq)
-    end_ok, _ = evaluable(input_ids, loss_mask, attention_mask, torch.zeros_like(ids), steps)
-    hidden, logits = s0.hidden, s0.logits.float()
+    end_ok, _ = evaluable(input_ids, loss_mask, attention_mask, torch.zeros_like(input_ids, dtype=torch.int64), steps)
     alphas = []
-    for k in range(steps):
-        if k:  # teacher-forced: step k embeds data token t+1+k (s0's cache is this chain's own)
-            tokens, hidden = drafter.step_inputs(k, step_rows(ids, k), hidden)
-            hidden = drafter(tokens, hidden, pos + k, s0.cache, mask)
-            logits = drafter.compute_logits(hidden).float()
+    for k, logits in enumerate(_teacher_forced_logits(drafter, input_ids, aux_hidden, attention_mask, steps)):
         p = step_rows(teacher_p.float(), k, 0.0)
         if rule == "target_only":  # greedy draft d accepted with probability p(d)
             alphas.append(p.gather(-1, logits.argmax(-1, keepdim=True)).squeeze(-1))
@@ -255,6 +258,28 @@ def simulate_chain_sampled(
                          torch.full((a.shape[0],), END, device=a.device))
     b, t = torch.nonzero(where, as_tuple=True)
     return ChainResult(sample=b, position=t, accept_prob=accept, reason=reason)
+
+
+def _teacher_forced_logits(
+    drafter: Eagle3Drafter, input_ids: torch.Tensor, aux_hidden: torch.Tensor, attention_mask: torch.Tensor,
+    steps: int,
+):
+    """Each step's draft logits [B, T, Vd] (fp32) along the data path: step k embeds data token t+1+k (DFlash: its
+    block, which reads no draft)."""
+    if drafter.config.block:
+        for state in drafter.block_states(input_ids, aux_hidden, attention_mask, steps):
+            yield drafter.compute_logits(state).float()
+        return
+    s0 = run_step0(drafter, input_ids, aux_hidden, attention_mask)
+    bsz, seq = input_ids.shape
+    ids = input_ids.to(torch.int64).masked_fill(~s0.attention_mask, 0)
+    pos = torch.arange(seq, device=ids.device).expand(bsz, seq)
+    hidden = s0.hidden
+    yield s0.logits.float()
+    for k in range(1, steps):  # s0's cache is this chain's own
+        tokens, hidden = drafter.step_inputs(k, step_rows(ids, k), hidden)
+        hidden = drafter(tokens, hidden, pos + k, s0.cache, s0.attention_mask)
+        yield drafter.compute_logits(hidden).float()
 
 
 # ----------------------------------------------------------------------------- trees
@@ -343,6 +368,8 @@ def simulate_tree(
 
     A position's tree depends only on step 0's state, so the positions run in chunks
     (``tree_chunk_positions``) and memory stays bounded whatever T; results come in (sample, position) order."""
+    if drafter.config.block:
+        raise ValueError("simulate_tree: a dflash drafter drafts one block, no tree (vLLM's DFlash proposer)")
     if drafter.config.parallel:
         raise ValueError("simulate_tree: a p-eagle drafter drafts one chain in one pass (vLLM's parallel drafting "
                          "has no tree); evaluate it as a chain")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from core.drafter.config import DrafterConfig
-from core.drafter.modeling import Eagle3Drafter
+from core.drafter.kinds import build_drafter
+from core.drafter.modeling import DrafterBase
 from core.drafter.vocab import build_vocab_mapping
 
 # The serving key set, written out by hand (not derived from the code under test): what SGLang/SpecForge
@@ -57,13 +58,13 @@ def tiny_mla_config(**overrides) -> DrafterConfig:
     return tiny_config(**{**TINY_MLA, **overrides})
 
 
-def tiny_drafter(seed: int = 0, **overrides) -> Eagle3Drafter:
+def tiny_drafter(seed: int = 0, **overrides) -> DrafterBase:
     """Random drafter with non-trivial norm weights and a non-identity draft vocab."""
     torch.manual_seed(seed)
     if overrides.get("attention") == "mla":
         overrides = {**TINY_MLA, **overrides}
     cfg = tiny_config(**overrides)
-    d = Eagle3Drafter(cfg)
+    d = build_drafter(cfg)
     with torch.no_grad():
         d.embed_tokens.weight.normal_(0, 1.0)
         for name, p in d.named_parameters():

@@ -38,6 +38,10 @@ def world(tmp_path_factory) -> dict[str, Path]:
     empty_ds = root / "empty_ds"
     make_dataset(empty_ds, shard_lengths=[[]])
     (root / "folder").mkdir()
+    df = root / "dflash"  # a DFlash drafter (served by vLLM only)
+    df.mkdir()
+    d = tiny_drafter(seed=0, method="dflash", mask_token_id=3, num_layers=1, block_size=3, target_hidden_size=32)
+    write_drafter_folder(df, d.config, d.serving_state_dict(), {"format": "redraft-test"})
     pe = root / "p-eagle"  # a P-EAGLE drafter (served by vLLM only)
     pe.mkdir()
     d = tiny_drafter(seed=0, method="p-eagle", mask_token_id=3)
@@ -47,6 +51,7 @@ def world(tmp_path_factory) -> dict[str, Path]:
     (root / "chat.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"},
                                                              {"role": "assistant", "content": "Hello"}]}) + "\n")
     return {"root": root, "target": target, "ds": ds, "empty_ds": empty_ds, "folder": root / "folder", "p_eagle": pe,
+            "dflash": df,
             "bad": root / "bad.yaml", "empty": root / "empty.jsonl", "chat": root / "chat.jsonl"}
 
 
@@ -70,6 +75,9 @@ def _cases(w: dict[str, Path]) -> list[tuple[str, str, list[str], str]]:
         ("train", "a kind no engine serves", ["--data", ds, "--out", out, "--drafter-method", "p-eagle",
                                               "--drafter-attention", "mla"], "drafter_attention=mla"),
         ("train", "kinds mixed", ["--data", ds, "--out", out, "--mask-token-id", "3"], "mask_token_id=3"),
+        ("train", "a DFlash kind no engine serves", ["--data", ds, "--out", out, "--drafter-method", "dflash",
+                                                     "--drafter-attention", "mla"], "drafter_attention=mla"),
+        ("train", "DFlash kinds mixed", ["--data", ds, "--out", out, "--dflash-layers", "2"], "dflash_layers=2"),
         ("acceptance", "missing option", ["ckpt"], "--data is required"),
         ("acceptance", "no such path", ["/no/such", "--data", ds], "/no/such"),
         ("acceptance", "wrong kind of folder", [f, "--data", ds], f"{f}: not a drafter folder"),
@@ -112,6 +120,8 @@ def _cases(w: dict[str, Path]) -> list[tuple[str, str, list[str], str]]:
          "a p-eagle drafter, which only vllm serves"),
         ("export", "a kind the engine does not serve", [str(w["p_eagle"]), out, "--format", "sglang"],
          "SGLang 0.5.23 has no parallel drafting"),
+        ("export", "a DFlash kind the engine does not serve", [str(w["dflash"]), out, "--format", "sglang"],
+         "CUDA, NPU and XPU only"),
         ("pipeline_tune", "unknown config key", ["d", "--target", t, "--config", bad], "bogus_key"),
         ("pipeline_tune", "bad value", ["d", "--target", t, "--prompts", "p", "--engine", "tgi"], "'tgi'"),
         ("verify_engine", "missing option", [], "required: folder"),

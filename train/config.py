@@ -124,12 +124,15 @@ class TrainConfig:
         "drafter method: eagle3; eagle3.1 (an RMSNorm per aux layer before fc, and each step passes the "
         "post-norm state on: the engines' fc_norm and norm_output, both written into config.json); or p-eagle "
         "(parallel drafting, vLLM only, attention gqa: drafts 2..K in the pass of draft 1, from slots that read "
-        "mask_token_id and a learned mask_hidden); with init_from it must be the init drafter's method",
-        choices=("eagle3", "eagle3.1", "p-eagle"),
+        "mask_token_id and a learned mask_hidden); or dflash (vLLM's DFlashDraftModel, attention gqa: dflash_layers "
+        "Qwen3-style layers read the target's states as keys and values and draft a block of ttt_steps tokens in "
+        "one bidirectional pass); with init_from it must be the init drafter's method",
+        choices=("eagle3", "eagle3.1", "p-eagle", "dflash"),
     )
     mask_token_id: int | None = _drafter(
-        None, "p-eagle only: the token id every parallel slot embeds (default: the target's last vocab id; any id "
-        "serves, its embedding is the target's frozen row and mask_hidden is learned beside it)")
+        None, "p-eagle and dflash: the token id every drafting slot embeds (default: the target's last vocab id; any "
+        "id serves, its embedding is the target's frozen row and the drafter learns around it)")
+    dflash_layers: int | None = _drafter(None, "dflash only: decoder layers in the block drafter (default 1)")
     attention_impl: str = _drafter(
         "eager",
         "the TTT attention kernel: eager (blocked, hand-written backward; the CPU default and the reference), sdpa "
@@ -224,9 +227,17 @@ class TrainConfig:
         """A method with keys of another, or one no engine serves with this attention, is refused by key."""
         from core.drafter.config import PARALLEL_ATTENTION
 
-        if self.mask_token_id is not None and self.drafter_method != "p-eagle":
-            raise ConfigError(f"mask_token_id={self.mask_token_id} is a p-eagle setting but drafter_method is "
-                              f"{self.drafter_method}; set drafter_method: p-eagle, or drop the key")
+        if self.mask_token_id is not None and self.drafter_method not in ("p-eagle", "dflash"):
+            raise ConfigError(f"mask_token_id={self.mask_token_id} is a p-eagle/dflash setting but drafter_method is "
+                              f"{self.drafter_method}; set drafter_method: p-eagle or dflash, or drop the key")
+        if self.dflash_layers is not None and self.drafter_method != "dflash":
+            raise ConfigError(f"dflash_layers={self.dflash_layers} is a dflash setting but drafter_method is "
+                              f"{self.drafter_method}; set drafter_method: dflash, or drop the key")
+        if self.dflash_layers is not None and self.dflash_layers < 1:
+            raise ConfigError(f"dflash_layers must be >= 1, got {self.dflash_layers}")
+        if self.drafter_method == "dflash" and self.drafter_attention != "gqa":
+            raise ConfigError(f"drafter_method=dflash with drafter_attention={self.drafter_attention}: vLLM 0.32's "
+                              "DFlashDraftModel is a Qwen3 (GQA) stack; use drafter_attention: gqa")
         if self.mask_token_id is not None and self.mask_token_id < 0:
             raise ConfigError(f"mask_token_id must be a token id >= 0, got {self.mask_token_id}")
         if self.drafter_method == "p-eagle" and self.drafter_attention not in PARALLEL_ATTENTION:

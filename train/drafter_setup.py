@@ -29,7 +29,7 @@ FREE_ON_INIT = ("max_position_embeddings", "rope_theta")
 
 @dataclass
 class BuiltDrafter:
-    drafter: Any  # core.drafter.modeling.Eagle3Drafter
+    drafter: Any  # core.drafter.modeling.DrafterBase (core.drafter.kinds.build_drafter)
     target_path: Path
     lm_head_keys: list[str]  # where the target's output head is, for the last_hidden teacher
     warm_start: dict[str, Any] | None  # what --init-from did (recorded in every checkpoint)
@@ -112,8 +112,10 @@ def drafter_config(cfg: TrainConfig, manifest: dict, target_path: Path) -> tuple
     overrides = {k: getattr(cfg, k) for k in (*OVERRIDABLE, *MLA_FIELDS) if getattr(cfg, k) is not None}
     info = target_info(manifest, target_path)
     defaults = {}  # a warm start keeps the init drafter's mask token unless one is given
-    if cfg.drafter_method == "p-eagle" and cfg.mask_token_id is None:
+    if cfg.drafter_method in ("p-eagle", "dflash") and cfg.mask_token_id is None:
         defaults["mask_token_id"] = int(info["vocab_size"]) - 1
+    if cfg.drafter_method == "dflash":  # the block the run trains: the new token and ttt_steps drafts
+        defaults.update(num_layers=cfg.dflash_layers or 1, block_size=cfg.ttt_steps + 1)
     wanted = DrafterConfig.from_target(
         info, cfg.draft_vocab_size, attention=cfg.drafter_attention,
         method=cfg.drafter_method, torch_dtype="bfloat16" if cfg.dtype == "bf16" else "float32",
@@ -142,7 +144,7 @@ def drafter_config(cfg: TrainConfig, manifest: dict, target_path: Path) -> tuple
 def build_drafter(cfg: TrainConfig, reader: Any, resume_from: Path | None) -> BuiltDrafter:
     """The drafter with its weights: the checkpoint's when resuming, else warm-started or new (module doc)."""
     from core.drafter.folder import WEIGHTS_NAME, read_record
-    from core.drafter.modeling import Eagle3Drafter
+    from core.drafter.kinds import build_drafter as new_drafter
     from core.drafter.serving_format import load_serving_weights
     from core.drafter.vocab import build_vocab_mapping
     from core.target_weights import weight_key_candidates
@@ -151,13 +153,13 @@ def build_drafter(cfg: TrainConfig, reader: Any, resume_from: Path | None) -> Bu
     manifest = reader.manifest
     target_path = Path(cfg.target_path or manifest["target"]["path"])
     config, init_state = drafter_config(cfg, manifest, target_path)
-    drafter = Eagle3Drafter(config, attention_impl=cfg.attention_impl)
+    drafter = new_drafter(config, attention_impl=cfg.attention_impl)
     embed_keys, head_keys = weight_key_candidates(json.loads((target_path / "config.json").read_text()))
     drafter.load_target_embedding(target_path, embed_keys)
     drafter.embed_tokens.weight.requires_grad_(False)
     warm_info = None
     if resume_from is not None:
-        drafter.load_serving_state_dict(load_serving_weights(resume_from / WEIGHTS_NAME))
+        drafter.load_serving_state_dict(load_serving_weights(resume_from / WEIGHTS_NAME, config.block))
         warm_info = (read_record(resume_from) or {}).get("warm_start")
         if cfg.init_from:
             log.info("resuming %s: --init-from %s is not applied again (the checkpoint holds the warm-started "

@@ -12,6 +12,8 @@ step k = 0..K-1:
 - hidden input: ``fc(aux[t])`` at k = 0, else the step k-1 output h2 at the same t (pre-norm);
   P-EAGLE (parallel drafting) embeds its placeholder token and reads ``fc(mask_hidden)`` at k >= 1 instead
   (``Eagle3Drafter.step_inputs``): the same cache pattern and teacher rows, so the same loss trains it;
+  DFlash (``DFlashDrafter.block_states``) has no unroll: step k's state at row t is block slot k + 1 of the
+  block drafted after row t, scored against the same teacher rows;
 - RoPE position: ``position_ids[t] + k`` for the query and this step's key; cached keys keep theirs;
 - attention: one softmax over the step-0 keys at positions <= t (causal + key padding) and the
   keys of steps 1..k at position t (the "diagonal");
@@ -49,7 +51,7 @@ from torch import nn
 
 from core.alignment import step_counted, step_rows
 from core.dataset.batch import Batch
-from core.drafter.modeling import Eagle3Drafter
+from core.drafter.modeling import DrafterBase
 from core.drafter.ttt_attention import TTTCache
 from core.teacher_targets import TeacherTargets, teacher_from_last_hidden, teacher_from_topk
 from train.head_loss import HeadTargets, head_loss, soft_ce_rows
@@ -127,7 +129,7 @@ def _check_shapes(input_ids, aux_hidden, attention_mask, loss_mask, teacher, pos
 
 
 def ttt_forward(
-    drafter: Eagle3Drafter,
+    drafter: DrafterBase,
     *,
     input_ids: torch.Tensor,
     aux_hidden: torch.Tensor,
@@ -161,17 +163,11 @@ def ttt_forward(
     target_ids = teacher.target_ids.to(torch.int64)
     in_draft = t2d[target_ids.clamp(0, t2d.numel() - 1)] & (target_ids >= 0) & (target_ids < t2d.numel())
 
-    cache = TTTCache()
-    hidden = drafter.project(aux_hidden)
-    normed: list[torch.Tensor] = []
+    normed = _step_states(drafter, ids, aux_hidden, attention_mask, position_ids, steps)
     all_logits: list[torch.Tensor] = []
-    for k in range(steps):
-        tokens, hidden = drafter.step_inputs(k, step_rows(ids, k), hidden)  # P-EAGLE: its placeholder slot
-        hidden = drafter(tokens, hidden, position_ids + k, cache, attention_mask)
-        normed.append(drafter.logit_input(hidden))
-        if return_logits:
-            with torch.no_grad():
-                all_logits.append(drafter.lm_head(normed[-1]).detach())
+    if return_logits:
+        with torch.no_grad():
+            all_logits = [drafter.lm_head(x).detach() for x in normed]
 
     # Rows per step (core.alignment): position t counts iff token t+2+k is a real assistant token
     # (so t < T-2-k); it is in the loss iff teacher row t+1+k's argmax is a draft token as well.
@@ -206,6 +202,24 @@ def ttt_forward(
     )
 
 
+def _step_states(
+    drafter: DrafterBase, ids: torch.Tensor, aux_hidden: torch.Tensor, attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor, steps: int,
+) -> list[torch.Tensor]:
+    """The tensor lm_head reads, [B, T, H], for each of ``steps`` draft steps at every row: the EAGLE unroll, or
+    DFlash's blocks (one pass, every row's block at once)."""
+    if drafter.config.block:
+        return drafter.block_states(ids, aux_hidden, attention_mask, steps)
+    cache = TTTCache()
+    hidden = drafter.project(aux_hidden)
+    normed: list[torch.Tensor] = []
+    for k in range(steps):
+        tokens, hidden = drafter.step_inputs(k, step_rows(ids, k), hidden)  # P-EAGLE: its placeholder slot
+        hidden = drafter(tokens, hidden, position_ids + k, cache, attention_mask)
+        normed.append(drafter.logit_input(hidden))
+    return normed
+
+
 class TTTModel(nn.Module):
     """The drafter, its teacher and the TTT unroll as one forward, so the loop reads ``out = model(batch)``.
 
@@ -218,7 +232,7 @@ class TTTModel(nn.Module):
 
     def __init__(
         self,
-        drafter: Eagle3Drafter,
+        drafter: DrafterBase,
         *,
         steps: int,
         decay: float,

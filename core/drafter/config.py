@@ -10,8 +10,11 @@ adds what both engines call ``fc_norm`` (an RMSNorm per aux layer's chunk before
 (the state a step passes to the next is taken after the final norm, the tensor ``lm_head`` reads); and
 ``p-eagle`` (parallel drafting, vLLM's ``parallel_drafting``): draft 1 as EAGLE-3's first step, drafts 2..K in
 the same pass from slots that read a placeholder token (``mask_token_id``) and a learned ``mask_hidden`` instead
-of the previous step's token and state. One field, so that the switches cannot be mixed: the engines read each
-on its own, and a drafter trained with one rule and served with another drafts garbage silently.
+of the previous step's token and state; ``dflash`` (vLLM's ``DFlashDraftModel``, :mod:`core.drafter.dflash`), a
+block drafter of ``num_layers`` Qwen3-style layers: the target's states enter every layer as keys and values,
+and a block of the new token and K ``mask_token_id`` slots drafts all K tokens in one bidirectional pass. One
+field, so that the switches cannot be mixed: the engines read each on its own, and a drafter trained with one
+rule and served with another drafts garbage silently.
 """
 
 from __future__ import annotations
@@ -29,7 +32,9 @@ from core.layers import check_servable
 log = logging.getLogger(__name__)
 
 ATTENTION_KINDS = ("gqa", "mla")
-METHODS = ("eagle3", "eagle3.1", "p-eagle")
+METHODS = ("eagle3", "eagle3.1", "p-eagle", "dflash")
+# the methods that embed a placeholder token (mask_token_id) in the slots they draft from
+MASK_TOKEN_METHODS = ("p-eagle", "dflash")
 # The drafter classes that draft in parallel in vLLM 0.32 (Eagle3LlamaForCausalLM, Eagle3Qwen3ForCausalLM): its
 # MLA drafter (Eagle3DeepseekV2ForCausalLM) has no mask_hidden and fails at load, and SGLang 0.5.23 has no
 # parallel drafting at all.
@@ -74,8 +79,10 @@ class DrafterConfig:
     qk_nope_head_dim: int | None = None
     qk_rope_head_dim: int | None = None
     v_head_dim: int | None = None
-    method: str = "eagle3"  # or "eagle3.1": fc_norm + norm_output, or "p-eagle" (module docstring)
-    mask_token_id: int | None = None  # p-eagle only: the token id every parallel slot embeds
+    method: str = "eagle3"  # or "eagle3.1": fc_norm + norm_output, "p-eagle" or "dflash" (module docstring)
+    mask_token_id: int | None = None  # p-eagle and dflash: the token id every parallel slot embeds
+    num_layers: int = 1  # decoder layers: 1 for the EAGLE methods, any for dflash
+    block_size: int | None = None  # dflash only: the trained block (the new token + block_size - 1 drafts)
 
     def __post_init__(self) -> None:
         self.aux_layer_ids = [int(i) for i in self.aux_layer_ids]
@@ -117,26 +124,53 @@ class DrafterConfig:
                 self.rope_scaling["original_max_position_embeddings"] = int(self.max_position_embeddings)
 
     def _check_method(self) -> None:
-        """A known method; p-eagle with its placeholder token and an attention kind the engine drafts in parallel."""
+        """A known method with exactly its own settings: a mask token for p-eagle and dflash, layers and a block
+        for dflash, and an attention kind the engine serves with that method."""
         if self.method not in METHODS:
             raise ValueError(f"DrafterConfig.method={self.method!r} is not one of {METHODS}")
-        if self.method != "p-eagle":
+        self.num_layers = int(self.num_layers)
+        if self.method != "dflash":
+            if self.num_layers != 1:
+                raise ValueError(f"DrafterConfig.num_layers={self.num_layers} is a dflash setting but method is "
+                                 f"{self.method!r} (an EAGLE drafter has one layer); set method: dflash, or drop it")
+            if self.block_size is not None:
+                raise ValueError(f"DrafterConfig.block_size={self.block_size} is a dflash setting but method is "
+                                 f"{self.method!r}; set method: dflash, or drop block_size")
+        if self.method not in MASK_TOKEN_METHODS:
             if self.mask_token_id is not None:
-                raise ValueError(f"DrafterConfig.mask_token_id={self.mask_token_id} is a p-eagle setting but method is "
-                                 f"{self.method!r}; set method: p-eagle, or drop mask_token_id")
+                raise ValueError(f"DrafterConfig.mask_token_id={self.mask_token_id} is a p-eagle/dflash setting but "
+                                 f"method is {self.method!r}; set method: p-eagle or dflash, or drop mask_token_id")
             return
-        if self.attention not in PARALLEL_ATTENTION:
+        if self.method == "p-eagle" and self.attention not in PARALLEL_ATTENTION:
             raise ValueError(f"DrafterConfig.method='p-eagle' with attention={self.attention!r}: vLLM 0.32 drafts in "
                              "parallel only with its Llama/Qwen3 EAGLE-3 classes (its MLA drafter, "
                              "Eagle3DeepseekV2ForCausalLM, has no mask_hidden) and SGLang 0.5.23 not at all; "
                              "use attention: gqa")
+        if self.method == "dflash":
+            self._check_dflash()
         if self.mask_token_id is None:
-            raise ValueError("DrafterConfig.mask_token_id is required with method 'p-eagle' (vLLM refuses parallel "
-                             "drafting without a mask token id in config.json)")
+            raise ValueError(f"DrafterConfig.mask_token_id is required with method {self.method!r} (vLLM embeds it "
+                             "in every slot it drafts from and refuses the drafter without it)")
         self.mask_token_id = int(self.mask_token_id)
         if not 0 <= self.mask_token_id < int(self.vocab_size):
             raise ValueError(f"DrafterConfig.mask_token_id={self.mask_token_id} is outside the target vocab "
                              f"[0, {self.vocab_size})")
+
+    def _check_dflash(self) -> None:
+        """vLLM's DFlashDraftModel: Qwen3-style GQA layers, at least one, a block of at least one draft, and the
+        width of the target (its embedding feeds the block)."""
+        if self.attention != "gqa":
+            raise ValueError(f"DrafterConfig.method='dflash' with attention={self.attention!r}: vLLM 0.32's "
+                             "DFlashDraftModel is a Qwen3 (GQA) stack; use attention: gqa")
+        if self.num_layers < 1:
+            raise ValueError(f"DrafterConfig.num_layers must be >= 1, got {self.num_layers}")
+        if self.block_size is None or int(self.block_size) < 2:
+            raise ValueError(f"DrafterConfig.block_size must be >= 2 with method 'dflash' (the new token and at least "
+                             f"one draft), got {self.block_size}")
+        self.block_size = int(self.block_size)
+        if self.hidden_size != self.target_hidden_size:
+            raise ValueError(f"DrafterConfig.hidden_size={self.hidden_size} differs from target_hidden_size="
+                             f"{self.target_hidden_size}: a DFlash block embeds with the target's embedding")
 
     def _check_attention_kind(self) -> None:
         """The attention kind's own sizes are set, the other kind's are not (a mixed config is refused by key)."""
@@ -189,6 +223,11 @@ class DrafterConfig:
     def parallel(self) -> bool:
         """Drafts 2..K come from placeholder slots (mask token, ``mask_hidden``) in the pass of draft 1 (P-EAGLE)."""
         return self.method == "p-eagle"
+
+    @property
+    def block(self) -> bool:
+        """All K drafts from one block pass over the target's states as keys and values (DFlash)."""
+        return self.method == "dflash"
 
     @property
     def num_aux_layers(self) -> int:

@@ -22,7 +22,12 @@ from safetensors.torch import save_file
 
 from core.atomic import atomic_write_text
 from core.drafter.config import DrafterConfig
-from core.drafter.serving_format import drafter_config_from_serving, load_serving_weights, serving_config
+from core.drafter.serving_format import (
+    drafter_config_from_serving,
+    load_serving_weights,
+    serving_config,
+    serving_engines,
+)
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +92,7 @@ def write_drafter_folder(folder: Path, cfg: DrafterConfig, state: Mapping[str, t
     floats = {v.dtype for v in state.values() if v.is_floating_point()}
     dtype = _DTYPE_NAMES.get(next(iter(floats)), None) if len(floats) == 1 else None
     save_file(state, str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
-    engine = "vllm" if cfg.parallel else "sglang"  # P-EAGLE: vLLM is the engine that drafts in parallel
+    engine = serving_engines(cfg)[0]  # SGLang's layout where it serves the method; P-EAGLE and DFlash: vLLM
     write_json(folder / CONFIG_NAME, serving_config(cfg, engine=engine, torch_dtype=dtype))
     write_json(folder / REDRAFT_RECORD, {**record, "drafter": cfg.to_dict()})
 
@@ -129,7 +134,7 @@ def load_drafter_checkpoint(
         except (KeyError, ValueError) as e:
             raise CheckpointError(f"{cfg_path}: {e}") from e
     try:
-        state = load_serving_weights(weights)
+        state = load_serving_weights(weights, cfg.block)
     except ValueError as e:
         raise CheckpointError(str(e)) from e
     if record is None and "d2t" not in state and cfg.draft_vocab_size == cfg.vocab_size:

@@ -226,27 +226,22 @@ class DrafterLayer(nn.Module):
         return self.feed_forward(h1)
 
 
-class Eagle3Drafter(nn.Module):
-    """One-layer EAGLE-3 drafter (Llama-style layer whose attention reads [embedding, hidden])."""
+class DrafterBase(nn.Module):
+    """What every drafter kind shares around its layers: the target's frozen embedding, ``fc`` over the aux layers,
+    the draft-vocab ``lm_head`` with its ``d2t``/``t2d`` mapping, and the serving state dict under the engines'
+    names. A kind (:class:`Eagle3Drafter`, :class:`core.drafter.dflash.DFlashDrafter`) builds its layers between."""
 
-    def __init__(self, config: DrafterConfig, attention_impl: str = "eager") -> None:
-        """attention_impl: "eager" (explicit scores, SpecForge's sdpa-path math; the reference),
-        "sdpa" (torch SDPA over the concatenated step keys with a [T, (k+1)T] mask: never holds
-        the [T, T] score matrix on GPU kernels that support masks; same math, other rounding) or
-        "flex" (FlexAttention with the TTT block mask; fused on CUDA, forward only on a CPU)."""
-        super().__init__()
-        self.config = config
-        c = config
+    config: DrafterConfig
+
+    def _init_embedding(self, c: DrafterConfig) -> None:
+        """embed_tokens (frozen). Modules are made in a fixed order (embedding, the kind's layers, head): a seed's
+        draws go to them in that order."""
+        self.config = c
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        if c.fc_norm:  # EAGLE-3.1: fc_norm.{i}.weight, one per aux layer (the engines' names)
-            self.fc_norm = nn.ModuleList(RMSNorm(c.target_hidden_size, c.rms_norm_eps) for _ in range(c.num_aux_layers))
-        self.fc = nn.Linear(c.num_aux_layers * c.target_hidden_size, c.hidden_size, bias=False)
-        if c.parallel:  # P-EAGLE: the aux-width state every parallel slot reads (vLLM's name, pre-fc)
-            self.mask_hidden = nn.Parameter(torch.randn(c.num_aux_layers * c.target_hidden_size) * 0.02)
-        self.rope = Rope(c)
-        self.midlayer = DrafterLayer(c, self.rope, attention_impl)
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def _init_head(self, c: DrafterConfig) -> None:
+        """lm_head over the draft vocab and the d2t/t2d buffers; last."""
         self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
         # identity mapping until set_vocab_mapping: valid only when Vd == V, which is the point
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.int64))
@@ -254,15 +249,9 @@ class Eagle3Drafter(nn.Module):
         t2d[: c.draft_vocab_size] = True
         self.register_buffer("t2d", t2d)
 
-    @property
-    def attention_impl(self) -> str:
-        return self.midlayer.self_attn.impl
-
-    @attention_impl.setter
-    def attention_impl(self, impl: str) -> None:
-        if impl not in ATTENTION_IMPLS:
-            raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
-        self.midlayer.self_attn.impl = impl
+    def canonical_key(self, key: str) -> str:
+        """Our name for a foreign spelling of a weight's name (SGLang's ``model.`` prefix, ``layers.0.``)."""
+        return canonical_key(key, self.config.block)
 
     # ------------------------------------------------------------------ state
     def serving_state_dict(self) -> dict[str, torch.Tensor]:
@@ -278,7 +267,7 @@ class Eagle3Drafter(nn.Module):
         own = self.state_dict()
         normalised: dict[str, torch.Tensor] = {}
         for key, tensor in sd.items():
-            name = canonical_key(key)
+            name = self.canonical_key(key)
             if name in normalised:
                 raise ValueError(f"load_serving_state_dict: keys {key!r} and another both map to {name!r}")
             normalised[name] = tensor
@@ -335,6 +324,42 @@ class Eagle3Drafter(nn.Module):
             self.d2t.copy_(d2t.to(torch.int64))
             self.t2d.copy_(t2d.to(torch.bool))
 
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Engines' convention: target_id = draft_id + d2t[draft_id]."""
+        return draft_ids + self.d2t[draft_ids]
+
+
+class Eagle3Drafter(DrafterBase):
+    """One-layer EAGLE-3 drafter (Llama-style layer whose attention reads [embedding, hidden])."""
+
+    def __init__(self, config: DrafterConfig, attention_impl: str = "eager") -> None:
+        """attention_impl: "eager" (explicit scores, SpecForge's sdpa-path math; the reference),
+        "sdpa" (torch SDPA over the concatenated step keys with a [T, (k+1)T] mask: never holds
+        the [T, T] score matrix on GPU kernels that support masks; same math, other rounding) or
+        "flex" (FlexAttention with the TTT block mask; fused on CUDA, forward only on a CPU)."""
+        super().__init__()
+        c = config
+        self._init_embedding(c)
+        if c.fc_norm:  # EAGLE-3.1: fc_norm.{i}.weight, one per aux layer (the engines' names)
+            self.fc_norm = nn.ModuleList(RMSNorm(c.target_hidden_size, c.rms_norm_eps) for _ in range(c.num_aux_layers))
+        self.fc = nn.Linear(c.num_aux_layers * c.target_hidden_size, c.hidden_size, bias=False)
+        if c.parallel:  # P-EAGLE: the aux-width state every parallel slot reads (vLLM's name, pre-fc)
+            self.mask_hidden = nn.Parameter(torch.randn(c.num_aux_layers * c.target_hidden_size) * 0.02)
+        self.rope = Rope(c)
+        self.midlayer = DrafterLayer(c, self.rope, attention_impl)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self._init_head(c)
+
+    @property
+    def attention_impl(self) -> str:
+        return self.midlayer.self_attn.impl
+
+    @attention_impl.setter
+    def attention_impl(self, impl: str) -> None:
+        if impl not in ATTENTION_IMPLS:
+            raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
+        self.midlayer.self_attn.impl = impl
+
     # ------------------------------------------------------------------ math
     def project(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """fc over the concatenated aux layers [.., n_aux*Ht] -> [.., H]; EAGLE-3.1 first norms each layer's
@@ -369,10 +394,6 @@ class Eagle3Drafter(nn.Module):
     def compute_logits(self, state: torch.Tensor) -> torch.Tensor:
         """lm_head(norm(h2)) over the draft vocab, from a step's state (:meth:`output_state`)."""
         return self.lm_head(self.logit_input(state))
-
-    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        """Engines' convention: target_id = draft_id + d2t[draft_id]."""
-        return draft_ids + self.d2t[draft_ids]
 
     def rope_cos_sin(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [B, T, rotated dims] for integer positions, computed in fp32 then cast (core.drafter.rope)."""

@@ -17,6 +17,10 @@ Each attention kind has its architecture (:data:`SERVING_ARCHS`): ``LlamaForCaus
 rewrites a ``deepseek_v3`` draft config into its MTP model and refuses it for EAGLE-3). Both are read back
 (the SGLang/SpecForge layout with a nested ``eagle_config``, and published eagle3-mla folders);
 speculators-format (``Eagle3Speculator``) configs are refused by name.
+
+DFlash (``method`` "dflash") has vLLM's layout alone (``DFlashDraftModel``, ``model_type`` qwen3, a
+``dflash_config`` with the mask token and the target's layer ids, its ``layers.{i}`` names: :func:`_dflash_tensors`,
+:func:`_dflash_config`); SGLang 0.5.23 serves DFlash only on CUDA, NPU and XPU.
 """
 
 from __future__ import annotations
@@ -32,12 +36,19 @@ import torch
 
 from core.drafter.config import MLA_FIELDS, DrafterConfig
 from core.drafter.vocab import check_vocab_mapping
-from core.layers import ENGINES, default_aux_layer_ids, from_engine_layer_ids, to_engine_layer_ids
+from core.layers import (
+    ENGINES,
+    default_aux_layer_ids,
+    from_engine_layer_ids,
+    to_dflash_layer_ids,
+    to_engine_layer_ids,
+)
 
 log = logging.getLogger(__name__)
 
 SERVING_ARCHS = {"gqa": "LlamaForCausalLMEagle3", "mla": "Eagle3DeepseekV2ForCausalLM"}
 SERVING_ARCH = SERVING_ARCHS["gqa"]
+DFLASH_ARCH = "DFlashDraftModel"  # vLLM's registry: qwen3_dflash.DFlashQwen3ForCausalLM
 # config.json model_type per kind: what both engines' config parsers build the draft config from
 SERVING_MODEL_TYPES = {"gqa": "llama", "mla": "deepseek_v2"}
 # model_types an engine rewrites into something else: vLLM's SpeculativeConfig.hf_config_override turns these draft
@@ -79,18 +90,26 @@ class TensorSpec:
         return f"{self.kind} {list(self.shape)}"
 
 
+# why an engine does not serve a method (what its source says)
+NOT_SERVED = {
+    ("sglang", "p-eagle"): "SGLang 0.5.23 has no parallel drafting (vLLM serves it with speculative_config "
+                           "parallel_drafting)",
+    ("sglang", "dflash"): "SGLang 0.5.23 allows its DFLASH algorithm on CUDA, NPU and XPU only "
+                          "(arg_groups/speculative_hook.py); vLLM serves DFlashDraftModel",
+}
+
+
 def _check_format(fmt: str, cfg: DrafterConfig | None = None) -> None:
     if fmt not in FORMATS:
         raise ServingFormatError(f"unknown serving format {fmt!r}; expected one of {FORMATS}")
     if cfg is not None and fmt not in serving_engines(cfg):
-        raise ServingFormatError(f"a p-eagle drafter has no {fmt} format: SGLang 0.5.23 has no parallel drafting "
-                                 "(vLLM serves it with speculative_config parallel_drafting); use --format vllm")
+        raise ServingFormatError(f"a {cfg.method} drafter has no {fmt} format: {NOT_SERVED[(fmt, cfg.method)]}; "
+                                 "use --format vllm")
 
 
 def serving_engines(cfg: DrafterConfig) -> tuple[str, ...]:
-    """The engines that serve ``cfg``'s method: both, but vLLM alone for P-EAGLE (SGLang 0.5.23 has no parallel
-    drafting)."""
-    return ("vllm",) if cfg.parallel else FORMATS
+    """The engines that serve ``cfg``'s method: both, but vLLM alone for P-EAGLE and DFlash (:data:`NOT_SERVED`)."""
+    return tuple(engine for engine in FORMATS if (engine, cfg.method) not in NOT_SERVED)
 
 
 def expected_tensors(cfg: DrafterConfig, fmt: str = "sglang", with_embedding: bool = False) -> dict[str, TensorSpec]:
@@ -103,6 +122,11 @@ def expected_tensors(cfg: DrafterConfig, fmt: str = "sglang", with_embedding: bo
     _check_format(fmt, cfg)
     h, inter = cfg.hidden_size, cfg.intermediate_size
     f = "float"
+    if cfg.block:
+        table = _dflash_tensors(cfg)
+        if with_embedding:
+            table[EMBED_KEY] = TensorSpec((cfg.vocab_size, h), f)
+        return table
     table = {
         **_attention_tensors(cfg),
         "midlayer.mlp.gate_proj.weight": TensorSpec((inter, h), f),
@@ -122,6 +146,35 @@ def expected_tensors(cfg: DrafterConfig, fmt: str = "sglang", with_embedding: bo
     }
     if with_embedding:
         table[EMBED_KEY] = TensorSpec((cfg.vocab_size, h), f)
+    return table
+
+
+def _dflash_tensors(cfg: DrafterConfig) -> dict[str, TensorSpec]:
+    """DFlash's table (vLLM's names without its ``model.`` prefix): fc, hidden_norm, norm, the head and
+    ``num_layers`` Qwen3 layers whose projections read the H-wide layer input."""
+    h, inter, hd, f = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, "float"
+    q_out, kv_out = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    table = {"fc.weight": TensorSpec((h, cfg.num_aux_layers * cfg.target_hidden_size), f),
+             "hidden_norm.weight": TensorSpec((h,), f)}
+    for i in range(cfg.num_layers):
+        layer = f"layers.{i}."
+        table.update({
+            layer + "self_attn.q_proj.weight": TensorSpec((q_out, h), f),
+            layer + "self_attn.k_proj.weight": TensorSpec((kv_out, h), f),
+            layer + "self_attn.v_proj.weight": TensorSpec((kv_out, h), f),
+            layer + "self_attn.o_proj.weight": TensorSpec((h, q_out), f),
+            layer + "self_attn.q_norm.weight": TensorSpec((hd,), f),
+            layer + "self_attn.k_norm.weight": TensorSpec((hd,), f),
+            layer + "mlp.gate_proj.weight": TensorSpec((inter, h), f),
+            layer + "mlp.up_proj.weight": TensorSpec((inter, h), f),
+            layer + "mlp.down_proj.weight": TensorSpec((h, inter), f),
+            layer + "input_layernorm.weight": TensorSpec((h,), f),
+            layer + "post_attention_layernorm.weight": TensorSpec((h,), f),
+        })
+    table.update({"norm.weight": TensorSpec((h,), f),
+                  "lm_head.weight": TensorSpec((cfg.draft_vocab_size, h), f),
+                  "d2t": TensorSpec((cfg.draft_vocab_size,), "int64"),
+                  "t2d": TensorSpec((cfg.vocab_size,), "bool")})
     return table
 
 
@@ -151,11 +204,12 @@ def _attention_tensors(cfg: DrafterConfig) -> dict[str, TensorSpec]:
     }
 
 
-def canonical_key(key: str) -> str:
-    """Our name for an SGLang-internal or speculators-style name (``model.`` prefix, ``layers.0.``)."""
+def canonical_key(key: str, block: bool = False) -> str:
+    """Our name for an SGLang-internal or speculators-style name (``model.`` prefix, ``layers.0.``); for a DFlash
+    drafter (``block``) only the prefix goes: ``layers.{i}`` are its own names."""
     if key.startswith("model."):
         key = key[len("model."):]
-    if key.startswith("layers.0."):
+    if key.startswith("layers.0.") and not block:
         key = "midlayer." + key[len("layers.0."):]
     return key
 
@@ -220,7 +274,9 @@ def check_serving_state(
         raise ServingFormatError(f"{fmt} serving weights do not match the table:\n  " + "\n  ".join(problems))
 
 
-def canonical_state(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+def canonical_state(
+    state: Mapping[str, torch.Tensor], block: bool = False
+) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
     """(weights under our names without the embedding, the embedding or None) of a drafter folder.
 
     Foreign folders may use SGLang's internal ``model.`` names or ship ``embed_tokens.weight``
@@ -230,7 +286,7 @@ def canonical_state(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.
     origin: dict[str, str] = {}
     embedding = None
     for key, tensor in state.items():
-        name = canonical_key(key)
+        name = canonical_key(key, block)
         if name in origin:
             raise ServingFormatError(f"keys {origin[name]!r} and {key!r} both name {name!r}")
         origin[name] = key
@@ -241,12 +297,13 @@ def canonical_state(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.
     return out, embedding
 
 
-def load_serving_weights(path: str | Path) -> dict[str, torch.Tensor]:
-    """Weights of a drafter folder's model.safetensors under our names, embedding dropped."""
+def load_serving_weights(path: str | Path, block: bool = False) -> dict[str, torch.Tensor]:
+    """Weights of a drafter folder's model.safetensors under our names, embedding dropped (``block``: a DFlash
+    drafter's, :func:`canonical_key`)."""
     from safetensors.torch import load_file
 
     try:
-        state, embedding = canonical_state(load_file(str(path)))
+        state, embedding = canonical_state(load_file(str(path)), block)
     except ServingFormatError as e:
         raise ServingFormatError(f"{path}: {e}") from e
     if embedding is not None:
@@ -288,6 +345,8 @@ def serving_config(
     shorter than its target.
     """
     _check_format(engine, cfg)
+    if cfg.block:
+        return _dflash_config(cfg, torch_dtype, max_position_embeddings)
     engine_ids = to_engine_layer_ids(cfg.aux_layer_ids, engine, cfg.target_architecture, cfg.target_num_layers)
     config: dict[str, Any] = {
         "architectures": [SERVING_ARCHS[cfg.attention]],
@@ -324,6 +383,36 @@ def serving_config(
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": engine_ids, "use_aux_hidden_state": True},
     }
     return config
+
+
+def _dflash_config(cfg: DrafterConfig, torch_dtype: str | None, max_position_embeddings: int | None) -> dict[str, Any]:
+    """config.json of vLLM's ``DFlashDraftModel``: a Qwen3 config with ``dflash_config`` (the mask token and the
+    target's layer ids in DFlash's reading, :func:`core.layers.to_dflash_layer_ids`). No ``layer_types``,
+    ``causal`` or ``use_swa``: every layer full and non-causal, as the drafter trains. ``block_size`` is what it
+    was trained with; the launch's ``num_speculative_tokens`` is what vLLM drafts."""
+    return {
+        "architectures": [DFLASH_ARCH],
+        "model_type": "qwen3",
+        "num_hidden_layers": cfg.num_layers,
+        "hidden_size": cfg.hidden_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.intermediate_size,
+        "hidden_act": cfg.hidden_act,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "vocab_size": cfg.vocab_size,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        "max_position_embeddings": int(max_position_embeddings or cfg.max_position_embeddings),
+        **_rope_fields(cfg),
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "block_size": cfg.block_size,
+        "dflash_config": {"mask_token_id": cfg.mask_token_id,
+                          "target_layer_ids": to_dflash_layer_ids(cfg.aux_layer_ids, cfg.target_architecture)},
+        "torch_dtype": torch_dtype or cfg.torch_dtype,
+    }
 
 
 def _mla_fields(cfg: DrafterConfig) -> dict[str, Any]:
@@ -445,7 +534,9 @@ def served_method(config: Mapping[str, Any]) -> str:
     Only the combinations a method is are accepted: the engines read each switch on its own, so a folder
     with one of them would be served with a rule it was not trained with (fc_norm in ``eagle_config`` is read
     by neither engine, and is refused rather than dropped). A top-level mask token (:data:`MASK_TOKEN_KEYS`)
-    makes it a P-EAGLE drafter, EAGLE-3's rules otherwise."""
+    makes it a P-EAGLE drafter, EAGLE-3's rules otherwise; ``DFlashDraftModel`` is "dflash"."""
+    if DFLASH_ARCH in (config.get("architectures") or []):
+        return "dflash"
     eagle = config.get("eagle_config") or {}
     nested = [name for name in (*METHOD_SWITCHES, "use_aux_norm", *MASK_TOKEN_KEYS) if name in eagle]
     if nested:
@@ -494,6 +585,9 @@ def _mask_token_of(config: Mapping[str, Any]) -> int:
 def _attention_kind_of(config: Mapping[str, Any]) -> str:
     """"gqa" or "mla" from a drafter config.json's architectures; refuses what the engines would misread."""
     archs = list(config.get("architectures") or [])
+    if DFLASH_ARCH in archs:
+        raise ServingFormatError(f"architectures {archs}: a DFlash drafter; redraft reads back its own DFlash "
+                                 "checkpoints (their redraft.json), not a foreign DFlash folder")
     if "speculators_model_type" in config or "Eagle3Speculator" in archs:
         raise ServingFormatError(
             f"architectures {archs}: a speculators-format config; only the SGLang/SpecForge layout "

@@ -76,26 +76,34 @@ def sglang_command(target: str, draft: str, plan: LaunchPlan) -> str:
     return " ".join(shlex.quote(a) for a in args)
 
 
-def parallel_drafter(draft: str | Path) -> bool:
-    """Whether the drafter folder at ``draft`` is a P-EAGLE drafter, by the one reading of a config.json's method
-    (:func:`core.drafter.serving_format.served_method`). False for a folder without a readable config.json or
+def folder_method(draft: str | Path) -> str | None:
+    """The method of the drafter folder at ``draft``, by the one reading of a config.json
+    (:func:`core.drafter.serving_format.served_method`). None for a folder without a readable config.json or
     whose keys name no method (nothing to tell from; the engine then says what is wrong with it)."""
     from core.drafter.serving_format import served_method
 
     try:
         config = json.loads((Path(draft) / "config.json").read_text())
-        return isinstance(config, dict) and served_method(config) == "p-eagle"
+        return served_method(config) if isinstance(config, dict) else None
     except (OSError, ValueError):  # ServingFormatError is a ValueError
-        return False
+        return None
+
+
+def parallel_drafter(draft: str | Path) -> bool:
+    """Whether the drafter folder at ``draft`` is a P-EAGLE drafter (:func:`folder_method`)."""
+    return folder_method(draft) == "p-eagle"
 
 
 def vllm_speculative_config(draft: str | Path, steps: int, parallel: bool | None = None) -> dict:
     """vLLM's ``speculative_config`` for the drafter at ``draft``: method eagle3, a chain of ``steps`` drafts, and
     ``parallel_drafting`` for a P-EAGLE drafter (vLLM takes that switch from the launch, not from the folder;
     without it the drafter would be run step by step, reading its own drafts, which it was not trained to).
-    ``parallel`` None: read from the folder (:func:`parallel_drafter`)."""
-    spec: dict = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": int(steps)}
-    if parallel_drafter(draft) if parallel is None else parallel:
+    ``parallel`` None: read from the folder (:func:`parallel_drafter`). A DFlash folder gets method dflash (vLLM
+    drafts its block of ``steps`` in one pass; parallel drafting is implied)."""
+    method = folder_method(draft)
+    spec: dict = {"method": "dflash" if method == "dflash" else "eagle3", "model": str(draft),
+                  "num_speculative_tokens": int(steps)}
+    if method != "dflash" and (method == "p-eagle" if parallel is None else parallel):
         spec["parallel_drafting"] = True
     return spec
 
