@@ -50,6 +50,7 @@ from core.drafter.serving_format import (
     FORMATS,
     ServingFormatError,
     check_serving_state,
+    engine_layer_ids,
     serving_config,
     torch_dtype_of,
 )
@@ -180,9 +181,10 @@ def _check_out(out: Path, source: Path, force: bool) -> None:
 
 
 def _readme(fmt: str, source: Path, cfg: DrafterConfig, config: Mapping[str, Any], command: str) -> str:
-    ids = config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    ids = engine_layer_ids(config)
+    kind = {"eagle3": "EAGLE-3", "eagle3.1": "EAGLE-3.1", "p-eagle": "P-EAGLE", "dflash": "DFlash"}[cfg.method]
     return (
-        f"# EAGLE-3 drafter ({fmt} format)\n\n"
+        f"# {kind} drafter ({fmt} format)\n\n"
         f"Exported by `python -m eval.export` from `{source}`.\n\n"
         f"- target: {cfg.target_architecture}, {cfg.target_num_layers} layers, vocab {cfg.vocab_size}, "
         f"context {config['max_position_embeddings']}\n"
@@ -324,7 +326,7 @@ def export_checkpoint(ecfg: ExportConfig) -> ExportResult:
 
     config = serving_config(cfg, engine=ecfg.format, torch_dtype=dtype_name)
     plan = replace(plan, trust_remote_code=plan.trust_remote_code or bool(facts.get("remote_code")),
-                   parallel_drafting=cfg.parallel)
+                   method=cfg.method)
     try:
         command = launch_command(ecfg.format, target_str or "<TARGET>", str(out.resolve()), plan)
     except LaunchError as e:
@@ -339,7 +341,7 @@ def export_checkpoint(ecfg: ExportConfig) -> ExportResult:
         "source_step": record.get("step"),
         "dataset": record.get("dataset"),
         "target_path": target_str,
-        "engine_layer_ids": config["eagle_config"]["eagle_aux_hidden_state_layer_ids"],
+        "engine_layer_ids": engine_layer_ids(config),
         "command": command,
         "drafter": cfg.to_dict(),
     }

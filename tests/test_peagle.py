@@ -129,7 +129,7 @@ def test_vllm_is_launched_with_parallel_drafting_for_a_peagle_folder_only(tmp_pa
         assert spec["method"] == "eagle3" and spec["num_speculative_tokens"] == 4
         assert spec.get("parallel_drafting", False) is (name == "p")
     # eval.export prints the command before the folder exists: the plan says it then
-    line = vllm_command("TARGET", str(tmp_path / "not-yet"), LaunchPlan(steps=5, parallel_drafting=True))
+    line = vllm_command("TARGET", str(tmp_path / "not-yet"), LaunchPlan(steps=5, method="p-eagle"))
     assert '"parallel_drafting": true' in line and '"num_speculative_tokens": 5' in line
     assert "parallel_drafting" not in vllm_command("TARGET", str(tmp_path / "not-yet"), LaunchPlan(steps=5))
 

@@ -415,6 +415,14 @@ def _dflash_config(cfg: DrafterConfig, torch_dtype: str | None, max_position_emb
     }
 
 
+def engine_layer_ids(config: Mapping[str, Any]) -> list[int]:
+    """The layer ids a serving config.json tells its engine to capture, in the engine's reading: ``eagle_config``'s
+    for the EAGLE kinds, DFlash's ``target_layer_ids`` plus one (vLLM adds it)."""
+    if "dflash_config" in config:
+        return [i + 1 for i in config["dflash_config"]["target_layer_ids"]]
+    return list(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+
+
 def _mla_fields(cfg: DrafterConfig) -> dict[str, Any]:
     """The MLA sizes both engines' MLA layers read (none for gqa). ``rope_interleave`` is written because SGLang
     rotates in NeoX halves when it is false; DeepSeek's interleaved pairs are what the drafter trains with. No

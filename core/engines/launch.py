@@ -34,7 +34,7 @@ class LaunchPlan:
     max_running_requests: int = 128
     cuda_graph_max_bs: int | None = None  # None: max_running_requests
     trust_remote_code: bool = False
-    parallel_drafting: bool = False  # a P-EAGLE drafter (vLLM only); else read from the drafter folder's config.json
+    method: str | None = None  # the drafter's method (DrafterConfig.method); None: read from its folder's config.json
 
     def resolved(self) -> LaunchPlan:
         """Validated copy with the defaults filled; SGLang's own rules become errors, not silent changes."""
@@ -94,16 +94,16 @@ def parallel_drafter(draft: str | Path) -> bool:
     return folder_method(draft) == "p-eagle"
 
 
-def vllm_speculative_config(draft: str | Path, steps: int, parallel: bool | None = None) -> dict:
-    """vLLM's ``speculative_config`` for the drafter at ``draft``: method eagle3, a chain of ``steps`` drafts, and
-    ``parallel_drafting`` for a P-EAGLE drafter (vLLM takes that switch from the launch, not from the folder;
-    without it the drafter would be run step by step, reading its own drafts, which it was not trained to).
-    ``parallel`` None: read from the folder (:func:`parallel_drafter`). A DFlash folder gets method dflash (vLLM
-    drafts its block of ``steps`` in one pass; parallel drafting is implied)."""
-    method = folder_method(draft)
+def vllm_speculative_config(draft: str | Path, steps: int, method: str | None = None) -> dict:
+    """vLLM's ``speculative_config`` for the drafter at ``draft`` (``method``: its DrafterConfig.method; None: read
+    from the folder, :func:`folder_method`): ``steps`` drafts with method eagle3, plus ``parallel_drafting`` for a
+    P-EAGLE drafter (vLLM takes that switch from the launch, not from the folder; without it the drafter would be
+    run step by step, reading its own drafts, which it was not trained to); method dflash for a DFlash drafter
+    (one block of ``steps`` drafts; parallel drafting is implied)."""
+    method = folder_method(draft) if method is None else method
     spec: dict = {"method": "dflash" if method == "dflash" else "eagle3", "model": str(draft),
                   "num_speculative_tokens": int(steps)}
-    if method != "dflash" and (method == "p-eagle" if parallel is None else parallel):
+    if method == "p-eagle":
         spec["parallel_drafting"] = True
     return spec
 
@@ -111,7 +111,7 @@ def vllm_speculative_config(draft: str | Path, steps: int, parallel: bool | None
 def vllm_command(target: str, draft: str, plan: LaunchPlan) -> str:
     """``vllm serve ...`` with an eagle3 speculative config (vLLM drafts a chain of ``steps`` tokens)."""
     p = plan.resolved()
-    spec = json.dumps(vllm_speculative_config(draft, p.steps, True if p.parallel_drafting else None))
+    spec = json.dumps(vllm_speculative_config(draft, p.steps, p.method))
     args = ["vllm", "serve", target, "--speculative-config", spec, "--tensor-parallel-size", str(p.tp),
             "--max-num-seqs", str(p.max_running_requests)]
     if p.trust_remote_code:
