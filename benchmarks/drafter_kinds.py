@@ -1,5 +1,6 @@
 """Drafter kinds side by side on the same data and budget: Llama-style against MLA attention (issue 22 item 5),
-each as EAGLE-3, EAGLE-3.1 and P-EAGLE (issue 36; ``methods`` in the config; P-EAGLE Llama-style only).
+each as EAGLE-3, EAGLE-3.1, P-EAGLE and DFlash (issue 36; ``methods`` in the config; P-EAGLE and DFlash Llama-style
+only).
 
 A benchmark, not a test. For each target (default: SmolLM2-135M, a Llama, and kimi-k25-mini, the Kimi-K2.5-
 shaped MLA MoE), the real CLIs run as subprocesses:
@@ -61,7 +62,7 @@ log = logging.getLogger("bench.drafter_kinds")
 
 DEFAULT_CONFIG = ROOT / "configs/demo/drafter_kinds.yaml"
 KINDS = ("gqa", "mla")
-METHODS = ("eagle3", "eagle3.1", "p-eagle")
+METHODS = ("eagle3", "eagle3.1", "p-eagle", "dflash")
 GQA_ONLY = ("num_key_value_heads", "head_dim")  # train keys an MLA drafter must not get
 
 
@@ -129,12 +130,14 @@ def target_slug(spec: TargetSpec) -> str:
 
 def variants(cfg: KindsConfig) -> list[tuple[str, str, str]]:
     """(name, attention, method) of every drafter trained per target: "gqa", "mla", "gqa-eagle3.1", ...; p-eagle
-    with the attention kinds that vLLM drafts in parallel only (core.drafter.config.PARALLEL_ATTENTION)."""
+    with the attention kinds that vLLM drafts in parallel only (core.drafter.config.PARALLEL_ATTENTION), dflash
+    Llama-style only (vLLM's DFlashDraftModel is a Qwen3 stack)."""
     from core.drafter.config import PARALLEL_ATTENTION
 
+    allowed = {"p-eagle": PARALLEL_ATTENTION, "dflash": ("gqa",)}
     return [(kind if method == "eagle3" else f"{kind}-{method}", kind, method)
             for method in cfg.methods for kind in KINDS
-            if method != "p-eagle" or kind in PARALLEL_ATTENTION]
+            if kind in allowed.get(method, KINDS)]
 
 
 # ----------------------------------------------------------------------------- commands

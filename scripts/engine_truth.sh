@@ -35,6 +35,9 @@
 #               (Llama-style only: vLLM drafts in parallel with its Llama/Qwen3 drafters, and vLLM CPU serves a
 #               Llama-style drafter beside a Llama target, not beside kimi-k25-mini)
 #  15. pe-comp  vLLM online (speculative_config parallel_drafting) vs the offline walk, chain K = 3, every request
+#  15b df-train a DFlash drafter (block drafter, vLLM's DFlashDraftModel) for SmolLM2: the demo's config,
+#               --drafter-method dflash --ttt-steps 3 (the block vLLM is asked for: the new token and 3 drafts)
+#  15c df-comp  vLLM online (speculative_config method dflash) vs the offline walk, 3 drafts, every request
 #  16. s-kinds  SGLang online vs the offline walk, chain 3/1/4, every request, for each of
 #               ${ENGINE_TRUTH_SGLANG_KINDS:-kimi-mla kimi-eagle3.1}: kimi-k25-mini's MLA drafter (the Kimi lane's,
 #               EAGLE-3; trained here when that lane did not run) and its EAGLE-3.1 drafter; smollm2-eagle3.1 (SmolLM2's
@@ -223,6 +226,17 @@ kinds_lane() {
         --max-samples "$n" --min-samples "$min" --speed-samples 0 \
         --json "$WORK/engine-truth-smollm2-p-eagle.json" --markdown "$WORK/engine-truth-smollm2-p-eagle.md"
     done_phase pe-comp
+
+    CURRENT=dflash-train; phase "15b DFlash drafter: SmolLM2 (a block of 3 drafts, 1 layer)"
+    train_once smollm2-dflash-train "$WORK/kinds/smollm2-dflash" --config configs/demo/train.yaml \
+        --data "$demo_data" --drafter-method dflash --ttt-steps 3
+    done_phase df-train
+
+    CURRENT=dflash-compare; phase "15c DFlash: vLLM online (method dflash) vs offline walk, 3 drafts, every request"
+    "$PY" -m eval.engine_truth "$WORK/kinds/smollm2-dflash" --data "$WORK/mtbench" --steps 3 --exact-per-request \
+        --max-samples "$n" --min-samples "$min" --speed-samples 0 \
+        --json "$WORK/engine-truth-smollm2-dflash.json" --markdown "$WORK/engine-truth-smollm2-dflash.md"
+    done_phase df-comp
 
     sglang_venv
     CURRENT=sglang-kinds; phase "16/16 SGLang online vs offline walk, chain 3/1/4, every request: ${ENGINE_TRUTH_SGLANG_KINDS:-kimi-mla kimi-eagle3.1}"

@@ -46,7 +46,8 @@ def test_unknown_target_key_is_named(tmp_path: Path) -> None:
 
 
 def test_every_method_for_the_attention_kinds_it_is_served_with() -> None:
-    assert [name for name, _, _ in dk.variants(CFG)] == ["gqa", "mla", "gqa-eagle3.1", "mla-eagle3.1", "gqa-p-eagle"]
+    assert [name for name, _, _ in dk.variants(CFG)] == ["gqa", "mla", "gqa-eagle3.1", "mla-eagle3.1", "gqa-p-eagle",
+                                                       "gqa-dflash"]
 
 
 def test_the_speed_up_is_read_from_a_real_serve_tune_report() -> None:
