@@ -352,23 +352,10 @@ def serving_config(
         "architectures": [SERVING_ARCHS[cfg.attention]],
         "model_type": SERVING_MODEL_TYPES[cfg.attention],
         "num_hidden_layers": 1,
-        "hidden_size": cfg.hidden_size,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim,
+        **_shape_fields(cfg, max_position_embeddings),
         **_mla_fields(cfg),
-        "intermediate_size": cfg.intermediate_size,
-        "hidden_act": cfg.hidden_act,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "vocab_size": cfg.vocab_size,
-        "draft_vocab_size": cfg.draft_vocab_size,
-        "target_hidden_size": cfg.target_hidden_size,
         "num_aux_hidden_states": cfg.num_aux_layers,
-        "max_position_embeddings": int(max_position_embeddings or cfg.max_position_embeddings),
-        **_rope_fields(cfg),
-        "tie_word_embeddings": False,
         "bias": False,
-        "attention_bias": False,
         "mlp_bias": False,
         **{name: False for name in UNSUPPORTED_SWITCHES},
         # EAGLE-3: norm_output is left out on purpose: SGLang/vLLM read it as "feed back the post-norm hidden"
@@ -385,15 +372,10 @@ def serving_config(
     return config
 
 
-def _dflash_config(cfg: DrafterConfig, torch_dtype: str | None, max_position_embeddings: int | None) -> dict[str, Any]:
-    """config.json of vLLM's ``DFlashDraftModel``: a Qwen3 config with ``dflash_config`` (the mask token and the
-    target's layer ids in DFlash's reading, :func:`core.layers.to_dflash_layer_ids`). No ``layer_types``,
-    ``causal`` or ``use_swa``: every layer full and non-causal, as the drafter trains. ``block_size`` is what it
-    was trained with; the launch's ``num_speculative_tokens`` is what vLLM drafts."""
+def _shape_fields(cfg: DrafterConfig, max_position_embeddings: int | None) -> dict[str, Any]:
+    """The Llama/Qwen3 fields every kind's config.json writes the same way: sizes, vocabularies, context, rope, no
+    tied head and no attention bias."""
     return {
-        "architectures": [DFLASH_ARCH],
-        "model_type": "qwen3",
-        "num_hidden_layers": cfg.num_layers,
         "hidden_size": cfg.hidden_size,
         "num_attention_heads": cfg.num_attention_heads,
         "num_key_value_heads": cfg.num_key_value_heads,
@@ -408,6 +390,19 @@ def _dflash_config(cfg: DrafterConfig, torch_dtype: str | None, max_position_emb
         **_rope_fields(cfg),
         "tie_word_embeddings": False,
         "attention_bias": False,
+    }
+
+
+def _dflash_config(cfg: DrafterConfig, torch_dtype: str | None, max_position_embeddings: int | None) -> dict[str, Any]:
+    """config.json of vLLM's ``DFlashDraftModel``: a Qwen3 config with ``dflash_config`` (the mask token and the
+    target's layer ids in DFlash's reading, :func:`core.layers.to_dflash_layer_ids`). No ``layer_types``,
+    ``causal`` or ``use_swa``: every layer full and non-causal, as the drafter trains. ``block_size`` is what it
+    was trained with; the launch's ``num_speculative_tokens`` is what vLLM drafts."""
+    return {
+        "architectures": [DFLASH_ARCH],
+        "model_type": "qwen3",
+        "num_hidden_layers": cfg.num_layers,
+        **_shape_fields(cfg, max_position_embeddings),
         "block_size": cfg.block_size,
         "dflash_config": {"mask_token_id": cfg.mask_token_id,
                           "target_layer_ids": to_dflash_layer_ids(cfg.aux_layer_ids, cfg.target_architecture)},
