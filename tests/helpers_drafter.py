@@ -54,6 +54,14 @@ def tiny_config(**overrides) -> DrafterConfig:
     return DrafterConfig(**kw)
 
 
+def random_batch(c: DrafterConfig, seq: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token ids [1, seq], aux states [1, seq, n_aux * target hidden]) drawn from ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, c.vocab_size, (1, seq), generator=g)
+    aux = torch.randn(1, seq, c.num_aux_layers * c.target_hidden_size, generator=g)
+    return ids, aux
+
+
 def tiny_mla_config(**overrides) -> DrafterConfig:
     return tiny_config(**{**TINY_MLA, **overrides})
 

@@ -17,7 +17,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers_drafter import tiny_config, tiny_drafter
+from helpers_drafter import random_batch, tiny_config, tiny_drafter
 
 from core.drafter.folder import load_drafter_checkpoint, write_drafter_folder
 from core.drafter.serving_format import (
@@ -86,17 +86,10 @@ def _vllm_block_logits(d, ids: torch.Tensor, aux: torch.Tensor, p: int, k: int) 
     return (_rms(h, sd["norm.weight"], eps) @ sd["lm_head.weight"].T)[1:]
 
 
-def _batch(c, seq: int, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, c.vocab_size, (1, seq), generator=g)
-    aux = torch.randn(1, seq, c.num_aux_layers * c.target_hidden_size, generator=g)
-    return ids, aux
-
-
 @torch.no_grad()
 def test_offline_drafts_are_vllms_block_pass():
     d, steps, seq = _dflash(1), 3, 12
-    ids, aux = _batch(d.config, seq, 2)
+    ids, aux = random_batch(d.config, seq, 2)
     ones = torch.ones(1, seq, dtype=torch.long)
     res, step0 = simulate_chain_greedy(d, input_ids=ids, aux_hidden=aux, attention_mask=ones, loss_mask=ones,
                                        target_ids=torch.randint(0, d.config.vocab_size, (1, seq)), steps=steps)
@@ -110,7 +103,7 @@ def test_offline_drafts_are_vllms_block_pass():
 def test_training_scores_the_logits_vllm_drafts_from():
     d, steps, seq = _dflash(4), 3, 10
     c = d.config
-    ids, aux = _batch(c, seq, 5)
+    ids, aux = random_batch(c, seq, 5)
     target_p = torch.softmax(torch.randn(1, seq, c.draft_vocab_size), -1)
     teacher = TeacherTargets(target_p=target_p, target_ids=d.draft_to_target(target_p.argmax(-1)), p_on_draft=None)
     out = ttt_forward(d, input_ids=ids, aux_hidden=aux, attention_mask=None, loss_mask=torch.ones_like(ids),
@@ -128,7 +121,7 @@ def test_training_scores_the_logits_vllm_drafts_from():
 @torch.no_grad()
 def test_padding_and_chunks_change_no_row():
     d, steps, seq = _dflash(6), 3, 11
-    ids, aux = _batch(d.config, seq, 7)
+    ids, aux = random_batch(d.config, seq, 7)
     mask = torch.ones(2, seq, dtype=torch.bool)
     mask[1, 8:] = False  # a right-padded second sample, the first one's prefix
     ids2, aux2 = torch.cat((ids, ids)), torch.cat((aux, aux))

@@ -16,9 +16,8 @@ import json
 
 import pytest
 import torch
-from helpers_drafter import SERVING_KEYS, tiny_config, tiny_drafter
+from helpers_drafter import SERVING_KEYS, random_batch, tiny_config, tiny_drafter
 
-from core.drafter.config import DrafterConfig
 from core.drafter.serving_format import (
     ServingFormatError,
     check_serving_state,
@@ -57,17 +56,10 @@ def _vllm_parallel_logits(d, ids: torch.Tensor, aux: torch.Tensor, p: int, k: in
     return d.compute_logits(d.layer_output(hidden[None], out))[0, p: p + k]
 
 
-def _batch(c: DrafterConfig, seq: int, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, c.vocab_size, (1, seq), generator=g)
-    aux = torch.randn(1, seq, c.num_aux_layers * c.target_hidden_size, generator=g)
-    return ids, aux
-
-
 @torch.no_grad()
 def test_offline_drafts_are_vllms_one_parallel_pass():
     d, steps, seq = _peagle(1), 4, 12
-    ids, aux = _batch(d.config, seq, 2)
+    ids, aux = random_batch(d.config, seq, 2)
     ones = torch.ones(1, seq, dtype=torch.long)
     res, _ = simulate_chain_greedy(d, input_ids=ids, aux_hidden=aux, attention_mask=ones, loss_mask=ones,
                                    target_ids=torch.randint(0, d.config.vocab_size, (1, seq)), steps=steps)
@@ -91,7 +83,7 @@ def test_offline_drafts_are_vllms_one_parallel_pass():
 def test_training_scores_the_logits_vllm_drafts_from_and_learns_mask_hidden():
     d, steps, seq = _peagle(4), 3, 10
     c = d.config
-    ids, aux = _batch(c, seq, 5)
+    ids, aux = random_batch(c, seq, 5)
     target_p = torch.softmax(torch.randn(1, seq, c.draft_vocab_size), -1)
     teacher = TeacherTargets(target_p=target_p, target_ids=d.draft_to_target(target_p.argmax(-1)), p_on_draft=None)
     out = ttt_forward(d, input_ids=ids, aux_hidden=aux, attention_mask=None, loss_mask=torch.ones_like(ids),

@@ -89,11 +89,6 @@ def folder_method(draft: str | Path) -> str | None:
         return None
 
 
-def parallel_drafter(draft: str | Path) -> bool:
-    """Whether the drafter folder at ``draft`` is a P-EAGLE drafter (:func:`folder_method`)."""
-    return folder_method(draft) == "p-eagle"
-
-
 def vllm_speculative_config(draft: str | Path, steps: int, method: str | None = None) -> dict:
     """vLLM's ``speculative_config`` for the drafter at ``draft`` (``method``: its DrafterConfig.method; None: read
     from the folder, :func:`folder_method`): ``steps`` drafts with method eagle3, plus ``parallel_drafting`` for a
