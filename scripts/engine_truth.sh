@@ -10,27 +10,31 @@
 #   3. data     48 MT-bench first turns answered greedily by the target (configs/engine-truth/mtbench.yaml;
 #               reused when complete): prompts the drafter never saw
 #   4. compare  python -m eval.engine_truth, chain K = ${ENGINE_TRUTH_STEPS:-3}: vLLM online vs the offline
-#               engine walk on the samples whose stored answer the engine reproduces token for token
-#               (>= 32 required); fails when tau differs by > 2% or a per-position rate by > 0.02
+#               engine walk on the first ${ENGINE_TRUTH_SAMPLES:-32} samples whose stored answer the engine reproduces
+#               token for token (>= ${ENGINE_TRUTH_MIN_SAMPLES:-24} required); fails when tau differs by > 2% or a
+#               per-position rate by > 0.02
 # The Kimi lane (kimi-k25-mini, the Kimi-K2.5-shaped MLA MoE, built into $REDRAFT_CACHE; an MLA drafter):
 #   5. k-data   256 chitchat openings answered by the target through vLLM (configs/engine-truth/kimi-train.yaml)
 #   6. k-eval   48 MT-bench first turns answered by the target through vLLM (configs/engine-truth/kimi-mtbench.yaml)
 #   7. k-train  an MLA drafter, 240 steps (configs/engine-truth/kimi-train-mla.yaml)
-#   8. k-comp   chain K = ${ENGINE_TRUTH_KIMI_STEPS:-3} with --exact-per-request: every request's accepted
+#   8. k-comp   chain K = ${ENGINE_TRUTH_KIMI_STEPS:-3} with --exact-per-request on the first 32 samples: every request's accepted
 #               tokens per position, offline = vLLM's counters (K = 5 too with ENGINE_TRUTH_KIMI_STEPS="3 5")
 # The SGLang lane (SGLang 0.5.23's own engine on the CPU: the SGLang CPU venv, redraft's stand-in for its kernels;
 # the SmolLM2 lane's drafter and data):
 #   9. s-venv   scripts/make_sglang_cpu_venv.sh (idempotent)
 #  10. s-chain  EAGLE-3 chain 3/1/4 (--speculative-num-steps 3 --speculative-eagle-topk 1
-#               --speculative-num-draft-tokens 4) on the first ${ENGINE_TRUTH_SGLANG_SAMPLES:-24} samples (SGLang on
+#               --speculative-num-draft-tokens 4) on the first ${ENGINE_TRUTH_SGLANG_SAMPLES:-16} samples (SGLang on
 #               the CPU stand-in verifies ~10 rounds/s on SmolLM2: every round reads the fp32 weights),
-#               --exact-per-request: SGLang's per-request counters = the walk's; every request also without the
-#               drafter: speculation must not change SGLang's greedy output (the engine's own precondition)
+#               --exact-per-request: SGLang's per-request counters = the walk's; the first
+#               ${ENGINE_TRUTH_SGLANG_SPEED_SAMPLES:-4} also without the drafter: speculation must not change SGLang's
+#               greedy output (the engine's own precondition)
 #  11. s-tree   a tree, topk 2, 6 draft tokens, depth 3, the same samples, --exact-per-request
-# The kinds lane (issue 36: the drafter methods beyond EAGLE-3; the other lanes' data):
-#  12. 31-train an EAGLE-3.1 drafter (fc_norm + norm_output) for each target: the demo's config on the demo's data
-#               (SmolLM2, Llama-style) and the Kimi config (kimi-k25-mini, MLA), --drafter-method eagle3.1
-#  13. 31-comp  vLLM online vs the offline walk, chain K = 3, --exact-per-request, for both
+# The kinds lane (issue 36: the drafter methods beyond EAGLE-3; the other lanes' data), each compared on the first
+# ${ENGINE_TRUTH_KINDS_SAMPLES:-16} samples, every request; vLLM's kinds: ${ENGINE_TRUTH_VLLM_KINDS:-kimi-eagle3.1
+# smollm2-p-eagle smollm2-dflash} (smollm2-eagle3.1, SmolLM2's Llama-style EAGLE-3.1, on request: ~3 min here):
+#  12. 31-train an EAGLE-3.1 drafter (fc_norm + norm_output): the Kimi config (kimi-k25-mini, MLA) and, on request,
+#               the demo's config on the demo's data (SmolLM2, Llama-style), --drafter-method eagle3.1
+#  13. 31-comp  vLLM online vs the offline walk, chain K = 3, --exact-per-request
 #  14. pe-train a P-EAGLE drafter (parallel drafting) for SmolLM2: the demo's config, --drafter-method p-eagle
 #               (Llama-style only: vLLM drafts in parallel with its Llama/Qwen3 drafters, and vLLM CPU serves a
 #               Llama-style drafter beside a Llama target, not beside kimi-k25-mini)
@@ -134,7 +138,8 @@ smollm2_lane() {
     STEPS_ARGS=()
     for k in ${ENGINE_TRUTH_STEPS:-3}; do STEPS_ARGS+=(--steps "$k"); done
     "$PY" -m eval.engine_truth "$DRAFTER" --data "$WORK/mtbench" "${STEPS_ARGS[@]}" \
-        --min-samples "${ENGINE_TRUTH_MIN_SAMPLES:-32}" --speed-samples "${ENGINE_TRUTH_SPEED_SAMPLES:-4}" \
+        --max-samples "${ENGINE_TRUTH_SAMPLES:-32}" --min-samples "${ENGINE_TRUTH_MIN_SAMPLES:-24}" \
+        --speed-samples "${ENGINE_TRUTH_SPEED_SAMPLES:-4}" \
         --json "$WORK/engine-truth.json" --markdown "$WORK/engine-truth.md"
     done_phase compare
 }
@@ -157,9 +162,9 @@ sglang_lane() {
     sglang_venv
 
     CURRENT=sglang-chain; phase "10/11 SGLang online vs offline walk: chain 3/1/4, every request"
-    local n=${ENGINE_TRUTH_SGLANG_SAMPLES:-24} min=${ENGINE_TRUTH_SGLANG_MIN_SAMPLES:-20}
+    local n=${ENGINE_TRUTH_SGLANG_SAMPLES:-16} min=${ENGINE_TRUTH_SGLANG_MIN_SAMPLES:-12}
     "$PY" -m eval.engine_truth "$DRAFTER" --data "$WORK/mtbench" --engine sglang --steps 3 --exact-per-request \
-        --max-samples "$n" --min-samples "$min" --speed-samples "$n" \
+        --max-samples "$n" --min-samples "$min" --speed-samples "${ENGINE_TRUTH_SGLANG_SPEED_SAMPLES:-4}" \
         --json "$WORK/engine-truth-sglang-chain.json" --markdown "$WORK/engine-truth-sglang-chain.md"
     done_phase s-chain
 
@@ -194,59 +199,80 @@ train_once() {
     grep -E "redraft train done" "$WORK/$name.log" 2>/dev/null | sed "s/^/  /" || true
 }
 
+# in_list WORD LIST...: WORD is one of LIST
+in_list() { local w=$1; shift; [[ " $* " == *" $w "* ]]; }
+
 kinds_lane() {
     smollm2_inputs
     kimi_inputs
-    CURRENT=eagle3.1-train; phase "12/16 EAGLE-3.1 drafters: SmolLM2 (Llama-style) and kimi-k25-mini (MLA)"
+    local vkinds=${ENGINE_TRUTH_VLLM_KINDS:-kimi-eagle3.1 smollm2-p-eagle smollm2-dflash} kind
+    for kind in $vkinds; do
+        in_list "$kind" smollm2-eagle3.1 kimi-eagle3.1 smollm2-p-eagle smollm2-dflash || {
+            echo "engine-truth: unknown kind '$kind' in ENGINE_TRUTH_VLLM_KINDS (smollm2-eagle3.1, kimi-eagle3.1," \
+                 "smollm2-p-eagle, smollm2-dflash)" >&2; exit 2; }
+    done
     local demo_data=$WORK/demo/data
     [ -f "$demo_data/manifest.json" ] || { echo "engine-truth: $demo_data missing (the demo's data)" >&2; exit 1; }
-    train_once smollm2-eagle31-train "$WORK/kinds/smollm2-eagle3.1" --config configs/demo/train.yaml \
-        --data "$demo_data" --drafter-method eagle3.1
-    train_once kimi-eagle31-train "$WORK/kinds/kimi-eagle3.1" --config configs/engine-truth/kimi-train-mla.yaml \
-        --data "$K/train" --drafter-method eagle3.1
-    done_phase 31-train
+    local n=${ENGINE_TRUTH_KINDS_SAMPLES:-16} min=${ENGINE_TRUTH_KINDS_MIN_SAMPLES:-12}
+    # vkind_compare NAME FOLDER DATA: vLLM online vs the offline walk, chain 3, every request
+    vkind_compare() {
+        "$PY" -m eval.engine_truth "$2" --data "$3" --steps 3 --exact-per-request \
+            --max-samples "$n" --min-samples "$min" --speed-samples 0 \
+            --json "$WORK/engine-truth-$1.json" --markdown "$WORK/engine-truth-$1.md"
+    }
 
-    CURRENT=eagle3.1-compare; phase "13/16 EAGLE-3.1: vLLM online vs offline walk, chain 3, every request"
-    local n=${ENGINE_TRUTH_KINDS_SAMPLES:-24} min=${ENGINE_TRUTH_KINDS_MIN_SAMPLES:-20}
-    "$PY" -m eval.engine_truth "$WORK/kinds/smollm2-eagle3.1" --data "$WORK/mtbench" --steps 3 --exact-per-request \
-        --max-samples "$n" --min-samples "$min" --speed-samples 0 \
-        --json "$WORK/engine-truth-smollm2-eagle3.1.json" --markdown "$WORK/engine-truth-smollm2-eagle3.1.md"
-    "$PY" -m eval.engine_truth "$WORK/kinds/kimi-eagle3.1" --data "$K/mtbench" --steps 3 --exact-per-request \
-        --max-samples "$n" --min-samples "$min" --speed-samples 0 \
-        --json "$WORK/engine-truth-kimi-eagle3.1.json" --markdown "$WORK/engine-truth-kimi-eagle3.1.md"
-    done_phase 31-comp
+    if in_list smollm2-eagle3.1 $vkinds || in_list kimi-eagle3.1 $vkinds; then
+        CURRENT=eagle3.1-train
+        phase "12/16 EAGLE-3.1 drafters:$(for k in $vkinds; do [[ $k == *eagle3.1 ]] && printf ' %s' "$k"; done)"
+        in_list smollm2-eagle3.1 $vkinds && train_once smollm2-eagle31-train "$WORK/kinds/smollm2-eagle3.1" \
+            --config configs/demo/train.yaml --data "$demo_data" --drafter-method eagle3.1
+        in_list kimi-eagle3.1 $vkinds && train_once kimi-eagle31-train "$WORK/kinds/kimi-eagle3.1" \
+            --config configs/engine-truth/kimi-train-mla.yaml --data "$K/train" --drafter-method eagle3.1
+        done_phase 31-train
 
-    CURRENT=p-eagle-train; phase "14/16 P-EAGLE drafter: SmolLM2 (Llama-style)"
-    train_once smollm2-peagle-train "$WORK/kinds/smollm2-p-eagle" --config configs/demo/train.yaml \
-        --data "$demo_data" --drafter-method p-eagle
-    done_phase pe-train
+        CURRENT=eagle3.1-compare; phase "13/16 EAGLE-3.1: vLLM online vs offline walk, chain 3, every request"
+        in_list smollm2-eagle3.1 $vkinds && vkind_compare smollm2-eagle3.1 "$WORK/kinds/smollm2-eagle3.1" "$WORK/mtbench"
+        in_list kimi-eagle3.1 $vkinds && vkind_compare kimi-eagle3.1 "$WORK/kinds/kimi-eagle3.1" "$K/mtbench"
+        done_phase 31-comp
+    fi
 
-    CURRENT=p-eagle-compare; phase "15/16 P-EAGLE: vLLM online (parallel drafting) vs offline walk, chain 3, every request"
-    "$PY" -m eval.engine_truth "$WORK/kinds/smollm2-p-eagle" --data "$WORK/mtbench" --steps 3 --exact-per-request \
-        --max-samples "$n" --min-samples "$min" --speed-samples 0 \
-        --json "$WORK/engine-truth-smollm2-p-eagle.json" --markdown "$WORK/engine-truth-smollm2-p-eagle.md"
-    done_phase pe-comp
+    if in_list smollm2-p-eagle $vkinds; then
+        CURRENT=p-eagle-train; phase "14/16 P-EAGLE drafter: SmolLM2 (Llama-style)"
+        train_once smollm2-peagle-train "$WORK/kinds/smollm2-p-eagle" --config configs/demo/train.yaml \
+            --data "$demo_data" --drafter-method p-eagle
+        done_phase pe-train
 
-    CURRENT=dflash-train; phase "15b DFlash drafter: SmolLM2 (a block of 3 drafts, 1 layer)"
-    train_once smollm2-dflash-train "$WORK/kinds/smollm2-dflash" --config configs/demo/train.yaml \
-        --data "$demo_data" --drafter-method dflash --ttt-steps 3
-    done_phase df-train
+        CURRENT=p-eagle-compare
+        phase "15/16 P-EAGLE: vLLM online (parallel drafting) vs offline walk, chain 3, every request"
+        vkind_compare smollm2-p-eagle "$WORK/kinds/smollm2-p-eagle" "$WORK/mtbench"
+        done_phase pe-comp
+    fi
 
-    CURRENT=dflash-compare; phase "15c DFlash: vLLM online (method dflash) vs offline walk, 3 drafts, every request"
-    "$PY" -m eval.engine_truth "$WORK/kinds/smollm2-dflash" --data "$WORK/mtbench" --steps 3 --exact-per-request \
-        --max-samples "$n" --min-samples "$min" --speed-samples 0 \
-        --json "$WORK/engine-truth-smollm2-dflash.json" --markdown "$WORK/engine-truth-smollm2-dflash.md"
-    done_phase df-comp
+    if in_list smollm2-dflash $vkinds; then
+        CURRENT=dflash-train; phase "15b DFlash drafter: SmolLM2 (a block of 3 drafts, 1 layer)"
+        train_once smollm2-dflash-train "$WORK/kinds/smollm2-dflash" --config configs/demo/train.yaml \
+            --data "$demo_data" --drafter-method dflash --ttt-steps 3
+        done_phase df-train
+
+        CURRENT=dflash-compare; phase "15c DFlash: vLLM online (method dflash) vs offline walk, 3 drafts, every request"
+        vkind_compare smollm2-dflash "$WORK/kinds/smollm2-dflash" "$WORK/mtbench"
+        done_phase df-comp
+    fi
 
     sglang_venv
-    CURRENT=sglang-kinds; phase "16/16 SGLang online vs offline walk, chain 3/1/4, every request: ${ENGINE_TRUTH_SGLANG_KINDS:-kimi-mla kimi-eagle3.1}"
-    train_once kimi-train "$K/drafter" --config configs/engine-truth/kimi-train-mla.yaml --data "$K/train"
+    local skinds=${ENGINE_TRUTH_SGLANG_KINDS:-kimi-mla kimi-eagle3.1}
+    CURRENT=sglang-kinds; phase "16/16 SGLang online vs offline walk, chain 3/1/4, every request: $skinds"
     local name folder data
-    for name in ${ENGINE_TRUTH_SGLANG_KINDS:-kimi-mla kimi-eagle3.1}; do
+    for name in $skinds; do
         case "$name" in
-            kimi-mla) folder=$K/drafter; data=$K/mtbench ;;
-            kimi-eagle3.1) folder=$WORK/kinds/kimi-eagle3.1; data=$K/mtbench ;;
-            smollm2-eagle3.1) folder=$WORK/kinds/smollm2-eagle3.1; data=$WORK/mtbench ;;
+            kimi-mla) folder=$K/drafter; data=$K/mtbench
+                train_once kimi-train "$K/drafter" --config configs/engine-truth/kimi-train-mla.yaml --data "$K/train" ;;
+            kimi-eagle3.1) folder=$WORK/kinds/kimi-eagle3.1; data=$K/mtbench
+                train_once kimi-eagle31-train "$folder" --config configs/engine-truth/kimi-train-mla.yaml \
+                    --data "$K/train" --drafter-method eagle3.1 ;;
+            smollm2-eagle3.1) folder=$WORK/kinds/smollm2-eagle3.1; data=$WORK/mtbench
+                train_once smollm2-eagle31-train "$folder" --config configs/demo/train.yaml --data "$demo_data" \
+                    --drafter-method eagle3.1 ;;
             *) echo "engine-truth: unknown kind '$name' in ENGINE_TRUTH_SGLANG_KINDS (kimi-mla, kimi-eagle3.1, smollm2-eagle3.1)" >&2; exit 2 ;;
         esac
         "$PY" -m eval.engine_truth "$folder" --data "$data" --engine sglang --steps 3 --exact-per-request \
@@ -267,7 +293,8 @@ kimi_lane() {
     local steps=()
     for k in ${ENGINE_TRUTH_KIMI_STEPS:-3}; do steps+=(--steps "$k"); done
     "$PY" -m eval.engine_truth "$K/drafter" --data "$K/mtbench" "${steps[@]}" --exact-per-request \
-        --min-samples "${ENGINE_TRUTH_MIN_SAMPLES:-32}" --speed-samples "${ENGINE_TRUTH_SPEED_SAMPLES:-4}" \
+        --max-samples "${ENGINE_TRUTH_SAMPLES:-32}" --min-samples "${ENGINE_TRUTH_MIN_SAMPLES:-24}" \
+        --speed-samples "${ENGINE_TRUTH_SPEED_SAMPLES:-4}" \
         --json "$WORK/engine-truth-kimi.json" --markdown "$WORK/engine-truth-kimi.md"
     done_phase k-comp
 }
