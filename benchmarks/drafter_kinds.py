@@ -26,6 +26,10 @@ Reruns with the same --out reuse finished stages (retrain_gain's stage markers).
     python benchmarks/drafter_kinds.py --out runs/drafter-kinds --threads 2
     python benchmarks/drafter_kinds.py --out runs/drafter-kinds-small --config configs/demo/drafter_kinds.yaml \\
         --train-prompts 64 --steps 20 --seeds 1
+    python benchmarks/drafter_kinds.py --out runs/drafter-methods --config configs/demo/drafter_methods.yaml
+
+configs/demo/drafter_methods.yaml is issue 36's table: per target only the attention kind vLLM CPU serves beside
+it (``kinds``), every method of that kind, each seed 0 served and timed.
 """
 
 from __future__ import annotations
@@ -75,6 +79,7 @@ class TargetSpec:
     mla: dict[str, int] = field(default_factory=dict)  # MLA sizes (empty: the target's own, or DeepSeek-V3's)
     gqa: dict[str, int] = field(default_factory=dict)  # Llama-style sizes over train_config's (an MLA recipe's)
     online: list[str] = field(default_factory=list)  # the kinds vLLM CPU serves next to this target
+    kinds: list[str] = field(default_factory=lambda: list(KINDS))  # attention kinds trained on this target
 
 
 @dataclass
@@ -114,6 +119,9 @@ class KindsConfig:
             bad = set(t) - {f.name for f in dataclasses.fields(TargetSpec)}
             if bad:
                 raise BenchError(f"{path}: targets[{i}] has unknown keys {sorted(bad)}")
+            bad_kinds = sorted(set(t.get("kinds") or KINDS) - set(KINDS))
+            if bad_kinds or not t.get("kinds", KINDS):
+                raise BenchError(f"{path}: targets[{i}].kinds {t.get('kinds')} must name some of {list(KINDS)}")
             targets.append(TargetSpec(**t))
         if not targets:
             raise BenchError(f"{path}: 'targets' is empty")
@@ -128,16 +136,17 @@ def target_slug(spec: TargetSpec) -> str:
     return Path(spec.name).name
 
 
-def variants(cfg: KindsConfig) -> list[tuple[str, str, str]]:
-    """(name, attention, method) of every drafter trained per target: "gqa", "mla", "gqa-eagle3.1", ...; p-eagle
-    with the attention kinds that vLLM drafts in parallel only (core.drafter.config.PARALLEL_ATTENTION), dflash
-    Llama-style only (vLLM's DFlashDraftModel is a Qwen3 stack)."""
+def variants(cfg: KindsConfig, spec: TargetSpec | None = None) -> list[tuple[str, str, str]]:
+    """(name, attention, method) of every drafter trained on ``spec`` (on a target training every kind when None):
+    "gqa", "mla", "gqa-eagle3.1", ...; p-eagle with the attention kinds that vLLM drafts in parallel only
+    (core.drafter.config.PARALLEL_ATTENTION), dflash Llama-style only (vLLM's DFlashDraftModel is a Qwen3 stack)."""
     from core.drafter.config import PARALLEL_ATTENTION
 
     allowed = {"p-eagle": PARALLEL_ATTENTION, "dflash": ("gqa",)}
+    kinds = spec.kinds if spec is not None else KINDS
     return [(kind if method == "eagle3" else f"{kind}-{method}", kind, method)
             for method in cfg.methods for kind in KINDS
-            if kind in allowed.get(method, KINDS)]
+            if kind in kinds and kind in allowed.get(method, KINDS)]
 
 
 # ----------------------------------------------------------------------------- commands
@@ -226,7 +235,7 @@ def run_target(cfg: KindsConfig, spec: TargetSpec, work: Path, stages: Stages, t
     stages.run(f"{slug}-extract-mtbench", extract_cmd(cfg, spec.name, "mtbench", held_out,
                                                       max_samples=cfg.eval_prompts, backend="hf", training=False),
                has_manifest(held_out))
-    kinds = {name: (kind, method) for name, kind, method in variants(cfg)}
+    kinds = {name: (kind, method) for name, kind, method in variants(cfg, spec)}
     runs = {(name, seed): base / "runs" / f"{name}.s{seed}" for name in kinds for seed in range(cfg.seeds)}
     jobs = max(1, cfg.train_jobs)
     with ThreadPoolExecutor(max_workers=jobs) as pool:
@@ -302,7 +311,7 @@ def _offline_entry(offline: dict[str, Any], run: Path) -> dict[str, Any]:
 def summarise(cfg: KindsConfig, spec: TargetSpec, runs: dict[tuple[str, int], Path], offline: dict[str, Any],
               online: dict[str, Any]) -> dict[str, Any]:
     rows = {}
-    for kind, _, method in variants(cfg):
+    for kind, _, method in variants(cfg, spec):
         taus, rates, facts = [], [], []
         for seed in range(cfg.seeds):
             res = _offline_entry(offline, runs[(kind, seed)])

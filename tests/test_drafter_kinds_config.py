@@ -1,5 +1,6 @@
-"""benchmarks/drafter_kinds.py's shipped config: every (target, kind) command it would run parses as a valid
-train config of that kind (so a broken pairing is found here, not an hour into the benchmark)."""
+"""benchmarks/drafter_kinds.py's shipped configs (the kinds comparison and issue 36's methods table): every (target,
+kind, method) command they would run parses as a valid train config of that kind (so a broken pairing is found here,
+not an hour into the benchmark)."""
 
 from __future__ import annotations
 
@@ -16,17 +17,19 @@ import drafter_kinds as dk  # noqa: E402
 from train.config import parse_cli  # noqa: E402
 
 CFG = dk.KindsConfig.load(dk.DEFAULT_CONFIG, {})
+METHODS_CFG = dk.KindsConfig.load(ROOT / "configs/demo/drafter_methods.yaml", {})
+COMMANDS = [(cfg, spec, *v) for cfg in (CFG, METHODS_CFG) for spec in cfg.targets for v in dk.variants(cfg, spec)]
 
 
-@pytest.mark.parametrize("name,kind,method", dk.variants(CFG))
-@pytest.mark.parametrize("spec", CFG.targets, ids=dk.target_slug)
-def test_every_training_command_parses(spec: dk.TargetSpec, name: str, kind: str, method: str,
+@pytest.mark.parametrize("bench,spec,name,kind,method", COMMANDS,
+                         ids=[f"{c is CFG and 'kinds' or 'methods'}-{dk.target_slug(s)}-{n}" for c, s, n, _, _ in COMMANDS])
+def test_every_training_command_parses(bench: dk.KindsConfig, spec: dk.TargetSpec, name: str, kind: str, method: str,
                                        tmp_path: Path) -> None:
-    cmd = dk.train_cmd(CFG, spec, kind, 1, tmp_path / "data", tmp_path / "out", method)
+    cmd = dk.train_cmd(bench, spec, kind, 1, tmp_path / "data", tmp_path / "out", method)
     assert cmd[1] == "train/main.py"
     cfg = parse_cli(cmd[2:])
     assert cfg.drafter_attention == kind and cfg.drafter_method == method
-    assert cfg.seed == 1 and cfg.max_steps == CFG.steps
+    assert cfg.seed == 1 and cfg.max_steps == bench.steps
     if kind == "mla":
         assert cfg.num_key_value_heads is None and cfg.head_dim is None
     for key, value in (spec.mla if kind == "mla" else spec.gqa).items():
@@ -48,6 +51,20 @@ def test_unknown_target_key_is_named(tmp_path: Path) -> None:
 def test_every_method_for_the_attention_kinds_it_is_served_with() -> None:
     assert [name for name, _, _ in dk.variants(CFG)] == ["gqa", "mla", "gqa-eagle3.1", "mla-eagle3.1", "gqa-p-eagle",
                                                        "gqa-dflash"]
+
+
+def test_the_methods_table_trains_what_vllm_cpu_serves_beside_each_target() -> None:
+    got = {dk.target_slug(t): [n for n, _, _ in dk.variants(METHODS_CFG, t)] for t in METHODS_CFG.targets}
+    assert got == {"smollm2-135m-instruct": ["gqa", "gqa-eagle3.1", "gqa-p-eagle", "gqa-dflash"],
+                   "kimi-k25-mini": ["mla", "mla-eagle3.1"]}
+    assert all(t.online == t.kinds for t in METHODS_CFG.targets)
+
+
+def test_an_unknown_attention_kind_is_named(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("targets:\n  - {name: x, train_config: y, kinds: [gqa, mqa]}\n")
+    with pytest.raises(dk.BenchError, match=r"targets\[0\]\.kinds \['gqa', 'mqa'\] must name some of"):
+        dk.KindsConfig.load(bad, {})
 
 
 def test_the_speed_up_is_read_from_a_real_serve_tune_report() -> None:
