@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 from helpers_embedded import sglang_venv_python, smollm2_dir, smollm2_logit_lens_drafter
-from helpers_tune import check_report, tune_args
+from helpers_tune import STEPS, check_report, tune_args
 
 from pipeline import tune
 
@@ -29,7 +29,7 @@ def test_tune_sglang_end_to_end(tmp_path, capsys):
     report = check_report(out, capsys.readouterr().out)
     assert report["engine"] == "sglang"
     limits = report["max_running_requests"]
-    assert limits["k1"] == limits["k2"] == 48  # SGLang's cap for speculative serving
+    assert all(limits[f"k{k}"] == 48 for k in STEPS)  # SGLang's cap for speculative serving
     assert limits["base"] is not None and limits["base"] != 48
     exports = report["settings"]["drafter_exports"]
     assert report["settings"]["drafter_export"] == exports["sglang"]
