@@ -119,8 +119,8 @@ class KindsConfig:
             bad = set(t) - {f.name for f in dataclasses.fields(TargetSpec)}
             if bad:
                 raise BenchError(f"{path}: targets[{i}] has unknown keys {sorted(bad)}")
-            bad_kinds = sorted(set(t.get("kinds") or KINDS) - set(KINDS))
-            if bad_kinds or not t.get("kinds", KINDS):
+            kinds = t.get("kinds", list(KINDS))
+            if not kinds or set(kinds) - set(KINDS):
                 raise BenchError(f"{path}: targets[{i}].kinds {t.get('kinds')} must name some of {list(KINDS)}")
             targets.append(TargetSpec(**t))
         if not targets:

@@ -202,6 +202,29 @@ train_once() {
 # in_list WORD LIST...: WORD is one of LIST
 in_list() { local w=$1; shift; [[ " $* " == *" $w "* ]]; }
 
+# The drafters the lanes compare, by name: where each lives, the data it is compared on, and its one recipe.
+kind_folder() {
+    case "$1" in
+        kimi-mla) echo "$K/drafter" ;;
+        *) echo "$WORK/kinds/$1" ;;
+    esac
+}
+kind_data() { if [[ $1 == kimi-* ]]; then echo "$K/mtbench"; else echo "$WORK/mtbench"; fi; }
+# train_kind NAME: the drafter NAME trained once (reused when its folder holds a complete checkpoint)
+train_kind() {
+    local demo=(--config configs/demo/train.yaml --data "$WORK/demo/data")
+    local kimi=(--config configs/engine-truth/kimi-train-mla.yaml --data "$K/train")
+    case "$1" in
+        kimi-mla) train_once kimi-train "$(kind_folder "$1")" "${kimi[@]}" ;;
+        kimi-eagle3.1) train_once kimi-eagle31-train "$(kind_folder "$1")" "${kimi[@]}" --drafter-method eagle3.1 ;;
+        smollm2-eagle3.1) train_once smollm2-eagle31-train "$(kind_folder "$1")" "${demo[@]}" --drafter-method eagle3.1 ;;
+        smollm2-p-eagle) train_once smollm2-peagle-train "$(kind_folder "$1")" "${demo[@]}" --drafter-method p-eagle ;;
+        smollm2-dflash) train_once smollm2-dflash-train "$(kind_folder "$1")" "${demo[@]}" --drafter-method dflash \
+            --ttt-steps 3 ;;
+        *) echo "engine-truth: no recipe for the drafter '$1'" >&2; exit 2 ;;
+    esac
+}
+
 kinds_lane() {
     smollm2_inputs
     kimi_inputs
@@ -214,9 +237,9 @@ kinds_lane() {
     local demo_data=$WORK/demo/data
     [ -f "$demo_data/manifest.json" ] || { echo "engine-truth: $demo_data missing (the demo's data)" >&2; exit 1; }
     local n=${ENGINE_TRUTH_KINDS_SAMPLES:-16} min=${ENGINE_TRUTH_KINDS_MIN_SAMPLES:-12}
-    # vkind_compare NAME FOLDER DATA: vLLM online vs the offline walk, chain 3, every request
+    # vkind_compare NAME: vLLM online vs the offline walk, chain 3, every request
     vkind_compare() {
-        "$PY" -m eval.engine_truth "$2" --data "$3" --steps 3 --exact-per-request \
+        "$PY" -m eval.engine_truth "$(kind_folder "$1")" --data "$(kind_data "$1")" --steps 3 --exact-per-request \
             --max-samples "$n" --min-samples "$min" --speed-samples 0 \
             --json "$WORK/engine-truth-$1.json" --markdown "$WORK/engine-truth-$1.md"
     }
@@ -224,58 +247,48 @@ kinds_lane() {
     if in_list smollm2-eagle3.1 $vkinds || in_list kimi-eagle3.1 $vkinds; then
         CURRENT=eagle3.1-train
         phase "12/16 EAGLE-3.1 drafters:$(for k in $vkinds; do [[ $k == *eagle3.1 ]] && printf ' %s' "$k"; done)"
-        in_list smollm2-eagle3.1 $vkinds && train_once smollm2-eagle31-train "$WORK/kinds/smollm2-eagle3.1" \
-            --config configs/demo/train.yaml --data "$demo_data" --drafter-method eagle3.1
-        in_list kimi-eagle3.1 $vkinds && train_once kimi-eagle31-train "$WORK/kinds/kimi-eagle3.1" \
-            --config configs/engine-truth/kimi-train-mla.yaml --data "$K/train" --drafter-method eagle3.1
+        in_list smollm2-eagle3.1 $vkinds && train_kind smollm2-eagle3.1
+        in_list kimi-eagle3.1 $vkinds && train_kind kimi-eagle3.1
         done_phase 31-train
 
         CURRENT=eagle3.1-compare; phase "13/16 EAGLE-3.1: vLLM online vs offline walk, chain 3, every request"
-        in_list smollm2-eagle3.1 $vkinds && vkind_compare smollm2-eagle3.1 "$WORK/kinds/smollm2-eagle3.1" "$WORK/mtbench"
-        in_list kimi-eagle3.1 $vkinds && vkind_compare kimi-eagle3.1 "$WORK/kinds/kimi-eagle3.1" "$K/mtbench"
+        in_list smollm2-eagle3.1 $vkinds && vkind_compare smollm2-eagle3.1
+        in_list kimi-eagle3.1 $vkinds && vkind_compare kimi-eagle3.1
         done_phase 31-comp
     fi
 
     if in_list smollm2-p-eagle $vkinds; then
         CURRENT=p-eagle-train; phase "14/16 P-EAGLE drafter: SmolLM2 (Llama-style)"
-        train_once smollm2-peagle-train "$WORK/kinds/smollm2-p-eagle" --config configs/demo/train.yaml \
-            --data "$demo_data" --drafter-method p-eagle
+        train_kind smollm2-p-eagle
         done_phase pe-train
 
         CURRENT=p-eagle-compare
         phase "15/16 P-EAGLE: vLLM online (parallel drafting) vs offline walk, chain 3, every request"
-        vkind_compare smollm2-p-eagle "$WORK/kinds/smollm2-p-eagle" "$WORK/mtbench"
+        vkind_compare smollm2-p-eagle
         done_phase pe-comp
     fi
 
     if in_list smollm2-dflash $vkinds; then
         CURRENT=dflash-train; phase "15b DFlash drafter: SmolLM2 (a block of 3 drafts, 1 layer)"
-        train_once smollm2-dflash-train "$WORK/kinds/smollm2-dflash" --config configs/demo/train.yaml \
-            --data "$demo_data" --drafter-method dflash --ttt-steps 3
+        train_kind smollm2-dflash
         done_phase df-train
 
         CURRENT=dflash-compare; phase "15c DFlash: vLLM online (method dflash) vs offline walk, 3 drafts, every request"
-        vkind_compare smollm2-dflash "$WORK/kinds/smollm2-dflash" "$WORK/mtbench"
+        vkind_compare smollm2-dflash
         done_phase df-comp
     fi
 
     sglang_venv
     local skinds=${ENGINE_TRUTH_SGLANG_KINDS:-kimi-mla kimi-eagle3.1}
     CURRENT=sglang-kinds; phase "16/16 SGLang online vs offline walk, chain 3/1/4, every request: $skinds"
-    local name folder data
+    local name
     for name in $skinds; do
-        case "$name" in
-            kimi-mla) folder=$K/drafter; data=$K/mtbench
-                train_once kimi-train "$K/drafter" --config configs/engine-truth/kimi-train-mla.yaml --data "$K/train" ;;
-            kimi-eagle3.1) folder=$WORK/kinds/kimi-eagle3.1; data=$K/mtbench
-                train_once kimi-eagle31-train "$folder" --config configs/engine-truth/kimi-train-mla.yaml \
-                    --data "$K/train" --drafter-method eagle3.1 ;;
-            smollm2-eagle3.1) folder=$WORK/kinds/smollm2-eagle3.1; data=$WORK/mtbench
-                train_once smollm2-eagle31-train "$folder" --config configs/demo/train.yaml --data "$demo_data" \
-                    --drafter-method eagle3.1 ;;
-            *) echo "engine-truth: unknown kind '$name' in ENGINE_TRUTH_SGLANG_KINDS (kimi-mla, kimi-eagle3.1, smollm2-eagle3.1)" >&2; exit 2 ;;
-        esac
-        "$PY" -m eval.engine_truth "$folder" --data "$data" --engine sglang --steps 3 --exact-per-request \
+        in_list "$name" kimi-mla kimi-eagle3.1 smollm2-eagle3.1 || {
+            echo "engine-truth: unknown kind '$name' in ENGINE_TRUTH_SGLANG_KINDS (kimi-mla, kimi-eagle3.1, smollm2-eagle3.1)" >&2
+            exit 2; }
+        train_kind "$name"
+        "$PY" -m eval.engine_truth "$(kind_folder "$name")" --data "$(kind_data "$name")" --engine sglang --steps 3 \
+            --exact-per-request \
             --max-samples "$n" --min-samples "$min" --speed-samples 0 \
             --json "$WORK/engine-truth-sglang-$name.json" --markdown "$WORK/engine-truth-sglang-$name.md"
     done
@@ -286,7 +299,7 @@ kimi_lane() {
     kimi_inputs
 
     CURRENT=kimi-train; phase "7/8 kimi-k25-mini: MLA drafter ($K/drafter)"
-    train_once kimi-train "$K/drafter" --config configs/engine-truth/kimi-train-mla.yaml --data "$K/train"
+    train_kind kimi-mla
     done_phase k-train
 
     CURRENT=kimi-compare; phase "8/8 kimi-k25-mini: vLLM online vs offline walk, every request"
