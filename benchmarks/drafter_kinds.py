@@ -132,6 +132,15 @@ class KindsConfig:
         return dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
 
 
+def select_targets(cfg: KindsConfig, names: list[str]) -> KindsConfig:
+    """``cfg`` with only the named targets, in the config's order: one target's rows rerun on their own."""
+    known = [t.name for t in cfg.targets]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"{unknown[0]!r} is not a target; the targets are {', '.join(known)}")
+    return dataclasses.replace(cfg, targets=[t for t in cfg.targets if t.name in names])
+
+
 def target_slug(spec: TargetSpec) -> str:
     return Path(spec.name).name
 
@@ -390,10 +399,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--eval-prompts", type=int, default=None, help="override eval_prompts")
     p.add_argument("--steps", type=int, default=None, help="override steps (every drafter)")
     p.add_argument("--seeds", type=int, default=None, help="override seeds")
+    p.add_argument("--target", action="append", default=None, metavar="NAME",
+                   help="run only this config target (repeatable; default every target): one target's rows")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     cfg = KindsConfig.load(a.config, {"train_prompts": a.train_prompts, "eval_prompts": a.eval_prompts,
                                       "steps": a.steps, "seeds": a.seeds})
+    if a.target:
+        try:
+            cfg = select_targets(cfg, a.target)
+        except ValueError as e:
+            p.error(f"--target {e} (in {a.config})")
     return run(cfg, a.out, a.threads)
 
 

@@ -78,3 +78,18 @@ def test_the_speed_up_is_read_from_a_real_serve_tune_report() -> None:
         assert got[str(level["concurrency"])]["speedup"] == want["speedup"]["median"]
     with pytest.raises(dk.BenchError, match="no chain of 9"):
         dk.speedups(report, 9)
+
+
+def test_one_target_is_selected_by_name() -> None:
+    kimi = dk.select_targets(METHODS_CFG, ["kimi-k25-mini"])
+    assert [t.name for t in kimi.targets] == ["kimi-k25-mini"] and kimi.steps == METHODS_CFG.steps
+    both = dk.select_targets(METHODS_CFG, ["kimi-k25-mini", "smollm2-135m-instruct"])
+    assert [t.name for t in both.targets] == [t.name for t in METHODS_CFG.targets]
+
+
+def test_an_unknown_target_exits_2_naming_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        dk.main(["--out", str(tmp_path / "w"), "--config", str(ROOT / "configs/demo/drafter_methods.yaml"),
+                 "--target", "kimi-k2"])
+    assert e.value.code == 2 and "'kimi-k2' is not a target" in capsys.readouterr().err
+    assert not (tmp_path / "w").exists()
