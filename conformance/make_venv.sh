@@ -13,9 +13,9 @@
 #              Resolved conflicts, checked by running both loaders: openai 2.54.0 (sglang pins 2.8.0,
 #              vllm needs >= 2.25), compressed-tensors 0.18.0 (vllm pins 0.17.0), xgrammar 0.2.8
 #              (sglang 0.2.7), openai-harmony 0.0.8 (sglang 0.0.4).
-#   specforge  torch 2.13.0+cpu ONLY from a local wheel ($TORCH_WHEEL, or the first torch-2.13.0+cpu
-#              wheel in $PIP_FIND_LINKS or /opt/wheels): from PyPI it would be a multi-GB CUDA build, so
-#              without a local wheel the script stops (exit 2). specforge 0.2.0 without its declared
+#   specforge  torch 2.13.0+cpu from a local wheel ($TORCH_WHEEL, or the first torch-2.13.0+cpu wheel in
+#              $PIP_FIND_LINKS), else from PyTorch's CPU index (scripts/pip_cpu_args.py), never PyPI's
+#              multi-GB CUDA build of the same version. specforge 0.2.0 without its declared
 #              dependencies (sglang, yunchang, wandb, datasets, ...): its drafter code imports none.
 #              triton is not installed: conformance/specforge_ref.py stubs it for one import.
 # Idempotent: when the stamp in DIR matches the lock file and the smoke import passes, nothing is
@@ -67,7 +67,7 @@ find_torch_wheel() {  # the local torch-2.13.0+cpu wheel, or nothing
         return
     fi
     local d
-    for d in ${PIP_FIND_LINKS:-} /opt/wheels; do
+    for d in ${PIP_FIND_LINKS:-}; do
         [ -d "$d" ] || continue
         ls "$d"/torch-2.13.0+cpu-*.whl 2>/dev/null | head -n 1 && return
     done
@@ -84,11 +84,7 @@ if [ -x "$DIR/bin/python" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$WANT" ]; then
 fi
 
 WHEEL=""
-if [ "$MODE" = specforge ]; then  # before anything is created: no wheel, no venv
-    WHEEL=$(find_torch_wheel)
-    [ -n "$WHEEL" ] || die 2 "no local torch-2.13.0+cpu wheel (set TORCH_WHEEL=/path/to/torch-2.13.0+cpu-...whl);" \
-                           "refusing to install torch from PyPI (a multi-GB CUDA build)"
-fi
+[ "$MODE" = specforge ] && WHEEL=$(find_torch_wheel)
 if [ ! -x "$DIR/bin/python" ]; then
     say "creating $DIR with $PY"
     "$PY" -m venv "$DIR" || die 1 "python3 -m venv $DIR failed"
@@ -96,9 +92,13 @@ fi
 PIP=("$DIR/bin/python" -m pip --disable-pip-version-check)
 rm -f "$STAMP"
 
-if [ "$MODE" = specforge ]; then
+if [ "$MODE" = specforge ] && [ -n "$WHEEL" ]; then
     say "torch from $WHEEL"
     "${PIP[@]}" install --no-deps "$WHEEL" || die 1 "installing $WHEEL failed"
+elif [ "$MODE" = specforge ]; then  # PyTorch's CPU index where pip's own indexes lack the CPU build (never PyPI's CUDA)
+    read -r -a EXTRA <<< "$("$DIR/bin/python" "$ROOT/scripts/pip_cpu_args.py" --pip "$DIR/bin/pip")"
+    say "torch==2.13.0+cpu${EXTRA[*]:+ (${EXTRA[*]})}"
+    "${PIP[@]}" install --no-deps "${EXTRA[@]}" "torch==2.13.0+cpu" || die 1 "installing torch==2.13.0+cpu failed"
 fi
 say "installing $(grep -c '==' "$LOCK") pinned distributions from $(basename "$LOCK") (--no-deps)"
 "${PIP[@]}" install --no-deps -r "$LOCK" || die 1 "pip install --no-deps -r $LOCK failed (registry unreachable, or a pin gone)"

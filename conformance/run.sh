@@ -103,9 +103,9 @@ if want loaders; then
 
 # ---------------------------------------------------------------- 2. tests that need the real SGLang
 phase "2/6 tests marked sglang, with the engine venv's python"
-mapfile -t SGLANG_TESTS < <(grep -l "pytest.mark.sglang" tests/test_*.py)
+mapfile -t SGLANG_TESTS < <(grep -l "pytest.mark.sglang" tests/engine/loaders/test_*.py)
 if [ "${#SGLANG_TESTS[@]}" = 0 ]; then
-    echo "conformance: no test file under tests/ has a test marked sglang" >&2
+    echo "conformance: no test file under tests/engine/loaders has a test marked sglang" >&2
     exit 1
 fi
 PYTEST_SITE="$WORK/engine-pytest"  # pytest beside the engine venv, not in it: its lock file owns that venv

@@ -7,8 +7,8 @@ engine's ``eagle_aux_hidden_state_layer_ids`` goes through :func:`to_engine_laye
 :func:`from_engine_layer_ids` and nowhere else.
 
 What each engine does with configured ids (SGLang 0.5.23 proven by capturing every layer it returns and
-matching each against the HF backend's per-layer outputs: ``tests/test_sglang_capture.py``; vLLM 0.32 by
-``tests/test_vllm_capture.py``):
+matching each against the HF backend's per-layer outputs: ``tests/engine/sglang/test_sglang_capture.py``; vLLM 0.32 by
+``tests/engine/vllm/test_vllm_capture.py``):
 
 - vLLM: id ``e`` is the input of layer ``e`` (``e = L`` the last layer's output, before the final norm).
 - SGLang ``llama.py`` (and the other Llama-style models): captures the input of layer ``e + 1``; ids must be

@@ -42,12 +42,14 @@
 #  15b df-train a DFlash drafter (block drafter, vLLM's DFlashDraftModel) for SmolLM2: the demo's config,
 #               --drafter-method dflash --ttt-steps 3 (the block vLLM is asked for: the new token and 3 drafts)
 #  15c df-comp  vLLM online (speculative_config method dflash) vs the offline walk, 3 drafts, every request
-#  16. s-kinds  SGLang online vs the offline walk, chain 3/1/4, every request, for each of
+#  16. s-kinds  (the SGLang lane's last phase) SGLang online vs the offline walk, chain 3/1/4, every request, for each of
 #               ${ENGINE_TRUTH_SGLANG_KINDS:-kimi-mla kimi-eagle3.1}: kimi-k25-mini's MLA drafter (the Kimi lane's,
 #               EAGLE-3; trained here when that lane did not run) and its EAGLE-3.1 drafter; smollm2-eagle3.1 (SmolLM2's
 #               EAGLE-3.1, ~4 min here: SGLang verifies SmolLM2 at ~10 rounds/s) on request. P-EAGLE: SGLang 0.5.23
 #               has no parallel drafting
-# ENGINE_TRUTH_LANES="smollm2 kimi sglang kinds" (the default) picks lanes.
+# ENGINE_TRUTH_LANES="smollm2 kimi sglang kinds" (the default) picks lanes. Two invocations may run side by side on one
+# ENGINE_TRUTH_WORK (CI runs "smollm2 kimi kinds" beside "sglang"): what lanes share (the demo drafter and data, the
+# Kimi data, each drafter) is made under a lock (flock) by whichever gets there first and reused by the other.
 # It fails loudly when it cannot run (no venv and no registry, engine crash, too few samples).
 # REDRAFT_SKIP_ENGINE_TRUTH=1 skips it on purpose, and says so.
 set -euo pipefail
@@ -105,11 +107,26 @@ extract_once() {
     fi
 }
 
+# locked NAME CMD...: CMD under an exclusive lock on $WORK/.NAME.lock (a side-by-side invocation waits, then reuses)
+locked() {
+    local name=$1 fd; shift
+    exec {fd}>"$WORK/.$name.lock"
+    flock "$fd"
+    "$@"
+    local rc=$?
+    flock -u "$fd"; exec {fd}>&-
+    return $rc
+}
+
 # has_checkpoint RUN: the run's latest checkpoint is complete (a rerun reuses it)
 has_checkpoint() { [ -f "$1/latest" ] && [ -f "$1/$(cat "$1/latest")/model.safetensors" ]; }
 
 smollm2_inputs() {  # the demo drafter and the MT-bench data both the SmolLM2 and the SGLang lanes compare on
     [ -n "${DRAFTER:-}" ] && return
+    locked smollm2-inputs make_smollm2_inputs
+}
+
+make_smollm2_inputs() {
     CURRENT=drafter; phase "2/8 drafter"
     if [ -n "${ENGINE_TRUTH_DRAFTER:-}" ]; then
         DRAFTER=$ENGINE_TRUTH_DRAFTER
@@ -158,6 +175,12 @@ sglang_venv() {  # the SGLang CPU venv, built once (the SGLang and the kinds lan
 }
 
 sglang_lane() {
+    local skinds=${ENGINE_TRUTH_SGLANG_KINDS:-kimi-mla kimi-eagle3.1} name
+    for name in $skinds; do
+        in_list "$name" kimi-mla kimi-eagle3.1 smollm2-eagle3.1 || {
+            echo "engine-truth: unknown kind '$name' in ENGINE_TRUTH_SGLANG_KINDS (kimi-mla, kimi-eagle3.1, smollm2-eagle3.1)" >&2
+            exit 2; }
+    done
     smollm2_inputs
     sglang_venv
 
@@ -173,11 +196,28 @@ sglang_lane() {
         --num-draft-tokens 6 --exact-per-request --max-samples "$n" --min-samples "$min" --speed-samples 0 \
         --json "$WORK/engine-truth-sglang-tree.json" --markdown "$WORK/engine-truth-sglang-tree.md"
     done_phase s-tree
+
+    [[ " $skinds " == *" kimi-"* ]] && kimi_inputs
+    local kn=${ENGINE_TRUTH_KINDS_SAMPLES:-16} kmin=${ENGINE_TRUTH_KINDS_MIN_SAMPLES:-12}
+    CURRENT=sglang-kinds; phase "16/16 SGLang online vs offline walk, chain 3/1/4, every request: $skinds"
+    for name in $skinds; do
+        train_kind "$name"
+        "$PY" -m eval.engine_truth "$(kind_folder "$name")" --data "$(kind_data "$name")" --engine sglang --steps 3 \
+            --exact-per-request \
+            --max-samples "$kn" --min-samples "$kmin" --speed-samples 0 \
+            --json "$WORK/engine-truth-sglang-$name.json" --markdown "$WORK/engine-truth-sglang-$name.md"
+    done
+    done_phase s-kinds
 }
 
-kimi_inputs() {  # kimi-k25-mini's training and MT-bench data, shared by the Kimi and the kinds lanes
+kimi_inputs() {  # kimi-k25-mini's training and MT-bench data, shared by the Kimi, kinds and SGLang lanes
     [ -n "${KIMI_INPUTS_DONE:-}" ] && return
     mkdir -p "$K"
+    locked kimi-inputs make_kimi_inputs
+    KIMI_INPUTS_DONE=1
+}
+
+make_kimi_inputs() {
     CURRENT=kimi-data; phase "5/8 kimi-k25-mini: training data ($K/train; the target is built into $REDRAFT_CACHE once)"
     extract_once kimi-train configs/engine-truth/kimi-train.yaml "$K/train"
     done_phase k-data
@@ -185,7 +225,6 @@ kimi_inputs() {  # kimi-k25-mini's training and MT-bench data, shared by the Kim
     CURRENT=kimi-eval; phase "6/8 kimi-k25-mini: MT-bench comparison data ($K/mtbench)"
     extract_once kimi-mtbench configs/engine-truth/kimi-mtbench.yaml "$K/mtbench"
     done_phase k-eval
-    KIMI_INPUTS_DONE=1
 }
 
 # train_once NAME RUN ARGS...: train/main.py ARGS --out RUN, reused when RUN holds a complete checkpoint
@@ -211,7 +250,9 @@ kind_folder() {
 }
 kind_data() { if [[ $1 == kimi-* ]]; then echo "$K/mtbench"; else echo "$WORK/mtbench"; fi; }
 # train_kind NAME: the drafter NAME trained once (reused when its folder holds a complete checkpoint)
-train_kind() {
+train_kind() { locked "train-$1" train_kind_unlocked "$1"; }
+
+train_kind_unlocked() {
     local demo=(--config configs/demo/train.yaml --data "$WORK/demo/data")
     local kimi=(--config configs/engine-truth/kimi-train-mla.yaml --data "$K/train")
     case "$1" in
@@ -278,21 +319,6 @@ kinds_lane() {
         done_phase df-comp
     fi
 
-    sglang_venv
-    local skinds=${ENGINE_TRUTH_SGLANG_KINDS:-kimi-mla kimi-eagle3.1}
-    CURRENT=sglang-kinds; phase "16/16 SGLang online vs offline walk, chain 3/1/4, every request: $skinds"
-    local name
-    for name in $skinds; do
-        in_list "$name" kimi-mla kimi-eagle3.1 smollm2-eagle3.1 || {
-            echo "engine-truth: unknown kind '$name' in ENGINE_TRUTH_SGLANG_KINDS (kimi-mla, kimi-eagle3.1, smollm2-eagle3.1)" >&2
-            exit 2; }
-        train_kind "$name"
-        "$PY" -m eval.engine_truth "$(kind_folder "$name")" --data "$(kind_data "$name")" --engine sglang --steps 3 \
-            --exact-per-request \
-            --max-samples "$n" --min-samples "$min" --speed-samples 0 \
-            --json "$WORK/engine-truth-sglang-$name.json" --markdown "$WORK/engine-truth-sglang-$name.md"
-    done
-    done_phase s-kinds
 }
 
 kimi_lane() {

@@ -6,9 +6,9 @@
 #
 # Idempotent: a venv whose stamp names the same lock, Python and SGLang and still passes the smoke import is kept
 # (seconds); otherwise the missing steps run (about 2 min and 3.5 GB on a quiet 2-core machine).
-# Why each step (shared/reference/sglang_cpu.md):
-#  * torch 2.13.0+cpu first, with --no-deps: from pip's configured indexes (this machine kind's wheel folder,
-#    /opt/wheels), else from PyTorch's CPU index (scripts/pip_cpu_args.py); any other build is refused. SGLang 0.5.23 pins torch 2.14.1 but runs on 2.13.0.
+# Why each step (docs/engine-truth.md, the SGLang CPU section):
+#  * torch 2.13.0+cpu first, with --no-deps: from pip's configured indexes (a wheel folder in PIP_FIND_LINKS,
+#    a mirror), else from PyTorch's CPU index (scripts/pip_cpu_args.py); any other build is refused. SGLang 0.5.23 pins torch 2.14.1 but runs on 2.13.0.
 #  * then every other distribution, pinned exactly in requirements/sglang-cpu.txt, with --no-deps: pip resolves
 #    nothing, and SGLang's CUDA-only requirements (flashinfer, sglang-kernel, nvidia-*, ...: GBs) stay out.
 #    The lock's header says how it was produced and what was left out.
@@ -83,7 +83,7 @@ log "installing torch==$TORCH_VERSION (--no-deps${EXTRA[*]:+, ${EXTRA[*]}})"
 pip_install "torch==$TORCH_VERSION" --no-deps "${EXTRA[@]}" "torch==$TORCH_VERSION"
 got=$("$V/bin/python" -c "import importlib.metadata as m; print(m.version('torch'))")
 [ "$got" = "$TORCH_VERSION" ] || die "pip installed torch $got, not $TORCH_VERSION: put the torch-$TORCH_VERSION wheel" \
-    "in PIP_FIND_LINKS (this machine kind has it in /opt/wheels); a CUDA torch would pull GBs of nvidia-* packages"
+    "in PIP_FIND_LINKS, or let scripts/pip_cpu_args.py reach PyTorch's CPU index; a CUDA torch would pull GBs of nvidia-* packages"
 
 log "installing $(grep -c '^[^#].*==' "$LOCK") pinned distributions from requirements/$(basename "$LOCK") (--no-deps)"
 pip_install "requirements/$(basename "$LOCK")" --no-deps -r "$LOCK"

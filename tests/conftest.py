@@ -1,4 +1,4 @@
-"""Test-wide settings: no hub, no wandb network, CPU DeepSpeed, small thread pools."""
+"""Test-wide settings: no hub, no wandb network, CPU DeepSpeed, thread pools sized to the workers, tiers in order."""
 
 import os
 import sys
@@ -17,9 +17,29 @@ os.environ.setdefault("REDRAFT_CACHE", str(ROOT / ".cache" / "redraft"))
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
+# Under pytest-xdist each worker gets its share of the cores for what it starts (engines, training processes,
+# DeepSpeed ranks read OMP_NUM_THREADS): two workers on two cores with two-thread engines each would make
+# OpenMP's spinning threads fight. One process (no xdist) leaves OMP_NUM_THREADS as the caller set it.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+if WORKERS > 1:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // WORKERS))
+
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+# The heaviest tiers first (xdist hands files out in collection order), so that a worker is not left with a
+# many-minute engine file while the other has finished the unit tier.
+TIER_ORDER = ("engine", "stage", "campaign", "unit")
+
+
+def _tier_rank(path: Path) -> int:
+    parts = Path(path).resolve().relative_to(ROOT / "tests").parts
+    return TIER_ORDER.index(parts[0]) if parts and parts[0] in TIER_ORDER else len(TIER_ORDER)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    items.sort(key=lambda item: _tier_rank(item.path))  # stable: a file's tests keep their order
 
 
 # Tests marked `sglang` need the real SGLang package. `.venv` has none (SGLang needs CUDA to install

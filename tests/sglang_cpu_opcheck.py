@@ -1,7 +1,7 @@
 """Every op of redraft's CPU stand-in for ``sgl_kernel`` against SGLang 0.5.23's own kernel of the same job.
 
 Run with the SGLang CPU venv's python, ``PYTHONPATH=<repo>:<repo>/core/engines/sglang_cpu/site`` (what
-``tests/test_sglang_cpu_ops.py`` does). SGLang's Triton kernels run on CPU tensors under the Triton
+``tests/engine/sglang/test_sglang_cpu_ops.py`` does). SGLang's Triton kernels run on CPU tensors under the Triton
 interpreter. The stand-in is reached the way SGLang's CPU path reaches it: ``SGLANG_USE_CPU_ENGINE=1`` makes
 SGLang's own ``*_func`` wrappers call it (and the two attention ops get the ``intel_amx`` backend's argument
 lists), so names, argument order and keywords are checked too. SGLang's Triton kernels are launched with the

@@ -11,8 +11,8 @@ frozen input embedding; serving replaces it with the target's own, so it is neve
 kind is chosen by ``DrafterConfig.attention`` (one class per kind, as transformers' modeling files do);
 everything around it is the same module.
 
-One step, :meth:`Eagle3Drafter.forward` (the math matches SpecForge 0.2.0 to fp32 rounding, see
-../shared/tools/README-specforge-reference.md):
+One step, :meth:`Eagle3Drafter.forward` (the math matches SpecForge 0.2.0 to fp32 rounding: the conformance
+lane's SpecForge half, conformance/specforge_ref.py):
 
     x  = cat(input_layernorm(embed(ids)), hidden_norm(h))          # embedding first, width 2H
     h1 = h + o_proj(attention(x))                                   # residual over the un-normed h

