@@ -28,6 +28,9 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
+# Fixtures more than one tier uses (the built kimi-k25-mini, its model and tokenizer), defined once.
+pytest_plugins = ("helpers_kimi",)
+
 # The heaviest tiers first (xdist hands files out in collection order), so that a worker is not left with a
 # many-minute engine file while the other has finished the unit tier.
 TIER_ORDER = ("engine", "stage", "campaign", "unit")

@@ -1,9 +1,12 @@
-"""kimi-k25-mini's facts the tests share: Kimi-K2.5's published text config, its special ids, greedy decoding."""
+"""kimi-k25-mini's facts the tests share: Kimi-K2.5's published text config, its special ids, greedy decoding, and
+the built folder, its model and tokenizer as module fixtures."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import pytest
 import torch
 from helpers_paths import FIXTURES
 
@@ -28,3 +31,28 @@ def greedy(model, tok, prompt: str, max_new: int = 48) -> tuple[list[int], list[
         out = model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                              max_new_tokens=max_new, do_sample=False, eos_token_id=[EOT], pad_token_id=163839)
     return ids, [int(t) for t in out[0, len(ids):]]
+
+
+# The built miniature as module fixtures (tests/conftest.py registers this module as a plugin): built once per
+# cache, loaded once per module that asks.
+
+
+@pytest.fixture(scope="module")
+def kimi() -> Path:
+    from helpers_embedded import kimi_mini_dir
+
+    return kimi_mini_dir()
+
+
+@pytest.fixture(scope="module")
+def model(kimi):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(kimi, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def saved_tokenizer(kimi):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(kimi)

@@ -25,29 +25,8 @@ from catalog.builtin import KIMI_MINI, cache_dir
 
 
 @pytest.fixture(scope="module")
-def kimi() -> Path:
-    from helpers_embedded import kimi_mini_dir
-
-    return kimi_mini_dir()
-
-
-@pytest.fixture(scope="module")
 def build_record(kimi) -> dict:
     return json.loads((kimi / "redraft_build.json").read_text())
-
-
-@pytest.fixture(scope="module")
-def model(kimi):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(kimi, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
-def saved_tokenizer(kimi):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(kimi)
 
 
 def test_folder_says_what_it_is(kimi, build_record):

@@ -2,26 +2,7 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
-from helpers_embedded import kimi_mini_dir
 from helpers_kimi import EOT, TEST_PROMPTS, greedy
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
-
-@pytest.fixture(scope="module")
-def kimi():
-    return kimi_mini_dir()
-
-
-@pytest.fixture(scope="module")
-def model(kimi):
-    return AutoModelForCausalLM.from_pretrained(kimi, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
-def saved_tokenizer(kimi):
-    return AutoTokenizer.from_pretrained(kimi)
 
 
 def test_vllm_loads_it_and_decodes_as_transformers(kimi, model, saved_tokenizer):
