@@ -3,8 +3,9 @@
 The project's own errors say what is wrong in their message (``ConfigError``: an option or config key;
 ``DatasetError``: a dataset file; ``CheckpointError``: a drafter or checkpoint folder; a missing file), so they end
 the command with that one line and exit code 2 (the user's input). ``EngineError`` (an engine that failed or is
-missing; its message carries the engine log's first traceback) ends it with exit code 1. Anything else is a bug
-and keeps its traceback.
+missing; its message carries the engine log's first traceback) ends it with exit code 1, and ``PeerGone`` (the
+other side of a stream is gone) with the code it carries (2 when that side refused the user's input, else 1).
+Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 from core.config import ConfigError
 from core.dataset.format import DatasetError
+from core.dataset.liveness import PeerGone
 from core.drafter.folder import CheckpointError
 from core.engines.driver_protocol import EngineError
 
@@ -37,6 +39,9 @@ def run(main: Callable[[], Any], log: logging.Logger, user_errors: tuple[type[Ba
     except EngineError as e:
         log.error("%s", e)
         return 1
+    except PeerGone as e:
+        log.error("%s", e)
+        return e.exit_code
     return rc if isinstance(rc, int) and not isinstance(rc, bool) else 0
 
 

@@ -199,8 +199,10 @@ def load_yaml(cls: type, path: str | Path) -> dict[str, Any]:
     return values
 
 
-def parse(cls: type[T], argv: Sequence[str] | None, *, prog: str, description: str, epilog: str | None = None) -> T:
-    """Defaults, then ``--config`` YAML, then flags; coerced, checked and validated. ``-h`` prints the help."""
+def parse(cls: type[T], argv: Sequence[str] | None, *, prog: str, description: str, epilog: str | None = None,
+          validate: bool = True) -> T:
+    """Defaults, then ``--config`` YAML, then flags; coerced, checked and (unless ``validate`` is False: what a
+    command reads to say where its refusal goes) validated. ``-h`` prints the help."""
     argv = hyphenate_flags(list(sys.argv[1:] if argv is None else argv))
     parser = build_parser(cls, prog=prog, description=description, epilog=epilog)
     args = vars(parser.parse_args(argv))
@@ -220,9 +222,9 @@ def parse(cls: type[T], argv: Sequence[str] | None, *, prog: str, description: s
         flag = missing[0] if fields[missing[0]].metadata.get("positional") else "--" + missing[0].replace("_", "-")
         raise ConfigError(f"{prog}: {flag} is required (see {prog} --help)")
     instance = cls(**values)
-    validate = getattr(instance, "validate", None)
-    if callable(validate):
-        result = validate()
+    check = getattr(instance, "validate", None) if validate else None
+    if callable(check):
+        result = check()
         if isinstance(result, cls):
             instance = result
     return instance

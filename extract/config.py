@@ -164,6 +164,10 @@ class ExtractConfig:
     stream_group_shards: int = _stream(4, "Streaming: the trainer's stream_group_shards (shards it shuffles together); "
                                        "the window must hold that many shards plus one, else both sides would wait "
                                        "on each other, so a smaller window is refused.")
+    stream_peer_timeout: float = _stream(900.0, "Streaming: seconds the trainer's heartbeat (heartbeats/train.json) "
+                                         "may stand still before extraction, waiting for room, stops waiting and "
+                                         "exits 1 (far above a restart of the trainer with --resume auto; a trainer "
+                                         "not started yet is waited for without bound).")
 
     @property
     def streaming(self) -> bool:
@@ -201,6 +205,8 @@ class ExtractConfig:
             raise ConfigError("window_bytes / window_shards: must be >= 0 (0: no limit of that kind)")
         if self.stream_group_shards < 1:
             raise ConfigError(f"stream_group_shards: must be >= 1, got {self.stream_group_shards}")
+        if self.stream_peer_timeout <= 0:
+            raise ConfigError(f"stream_peer_timeout: must be > 0 seconds, got {self.stream_peer_timeout}")
         from core.dataset.window import window_fit_problem
 
         if self.streaming and (problem := window_fit_problem(0, self.window_shards, 0, self.stream_group_shards)):
@@ -278,6 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     return options.build_parser(ExtractConfig, prog=PROG, description=DESCRIPTION)
 
 
-def parse_args(argv: list[str] | None = None) -> ExtractConfig:
-    """CLI flags over an optional YAML file over the defaults (core.options)."""
-    return options.parse(ExtractConfig, argv, prog=PROG, description=DESCRIPTION)
+def parse_args(argv: list[str] | None = None, *, validate: bool = True) -> ExtractConfig:
+    """CLI flags over an optional YAML file over the defaults (core.options); ``validate=False``: as written, for
+    saying where a refused run's end goes."""
+    return options.parse(ExtractConfig, argv, prog=PROG, description=DESCRIPTION, validate=validate)

@@ -36,6 +36,7 @@ from core.dataset.format import (
     features_are_finite,
     shard_relpath,
 )
+from core.dataset.liveness import trainer_check
 from core.dataset.window import (
     HEADER_NAME,
     StreamClosed,
@@ -590,6 +591,7 @@ def _extract(cfg: ExtractConfig, out: Path, target_path: Path, inputs: list[Path
         if cfg.streaming:
             seal_landed_shards(out, [s for s in mine if s not in todo])
         total = sum(starts[s + 1] - starts[s] for s in todo)
+        trainer = trainer_check(out, cfg.stream_peer_timeout) if cfg.streaming else None
         try:
             with tqdm(total=total, unit="sample", desc=f"extract rank {cfg.rank}", disable=None) as progress:
                 progress.tokens = 0  # running count for the tokens/s readout
@@ -598,7 +600,8 @@ def _extract(cfg: ExtractConfig, out: Path, target_path: Path, inputs: list[Path
                     if cfg.streaming:
                         try:
                             with span("window"):
-                                wait_for_room(out, cfg.window_bytes, cfg.window_shards, cfg.stream_group_shards)
+                                wait_for_room(out, cfg.window_bytes, cfg.window_shards, cfg.stream_group_shards,
+                                              peer=trainer)
                         except StreamClosed as e:
                             log.info("%s: stopping before shard %d", e, s)
                             summary.stream_closed = True

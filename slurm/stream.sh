@@ -35,21 +35,14 @@ GROUP=$("$PYTHON" -c 'import sys, yaml; print((yaml.safe_load(open(sys.argv[1]))
 EXTRACT=$!
 "$PYTHON" train/main.py --config "$TRAIN_CONFIG" --data "$DATA" --out "$RUN" --stream --resume auto "$@" &
 TRAIN=$!
-trap 'kill $EXTRACT $TRAIN 2>/dev/null || true' INT TERM
-# An extraction that fails (a refused setting, a crash) would leave the trainer waiting for shards: stop it too.
-while kill -0 $TRAIN 2>/dev/null && kill -0 $EXTRACT 2>/dev/null; do sleep 1; done
-if ! kill -0 $EXTRACT 2>/dev/null; then
-    estatus=0
-    wait $EXTRACT || estatus=$?
-    if [[ $estatus -ne 0 ]]; then
-        echo "[slurm/stream.sh] extraction failed (exit $estatus): stopping training" >&2
-        kill $TRAIN 2>/dev/null || true
-        wait $TRAIN 2>/dev/null || true
-        exit $estatus
-    fi
-fi
-status=0
-wait $TRAIN || status=$?
-wait $EXTRACT || status=$((status ? status : $?))
-echo "[slurm/stream.sh] training exit ${status}; data $DATA, run $RUN" >&2
+trap 'kill -TERM $EXTRACT $TRAIN 2>/dev/null || true' INT TERM
+# Each side stops by itself when the other is gone: extraction leaves its end state in $DATA (refused, failed,
+# stopped) and both keep a heartbeat there (core/dataset/liveness.py), so the trainer stops with extraction's reason
+# after saving, and extraction stops when the trainer is gone. The job waits for both.
+estatus=0
+wait $EXTRACT || estatus=$?
+tstatus=0
+wait $TRAIN || tstatus=$?
+status=$((tstatus ? tstatus : estatus))
+echo "[slurm/stream.sh] training exit ${tstatus}, extraction exit ${estatus}; data $DATA, run $RUN" >&2
 exit $status

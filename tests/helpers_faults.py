@@ -8,6 +8,7 @@ not yet renamed" or "half of the temp file is on disk" happen at a chosen write,
 
     python tests/helpers_faults.py --kill-at NAME:N [--truncate] -- extract ARGS...
     python tests/helpers_faults.py --kill-at NAME:N -- train ARGS...
+    python tests/helpers_faults.py --kill-at NAME:N --disk-full -- extract ARGS...   # ENOSPC there instead
 """
 
 from __future__ import annotations
@@ -285,14 +286,19 @@ def flip_byte(path: Path, offset: int) -> None:
 # ----------------------------------------------------------------------------- self-kill runner
 
 
-def _install_kill(pattern: str, nth: int, truncate: bool) -> None:
-    """SIGKILL this process at the ``nth`` ``os.replace`` whose destination name matches ``pattern``."""
+def _install_kill(pattern: str, nth: int, truncate: bool, disk_full: bool = False) -> None:
+    """SIGKILL this process at the ``nth`` ``os.replace`` whose destination name matches ``pattern`` (or, with
+    ``disk_full``, make that rename fail with ENOSPC: a failure the process handles)."""
+    import errno
+
     real_replace = os.replace
     seen = {"n": 0}
 
     def replace(src, dst, *a, **kw):
         if fnmatch.fnmatch(Path(dst).name, pattern):
             seen["n"] += 1
+            if seen["n"] == nth and disk_full:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(dst))
             if seen["n"] == nth:
                 if truncate and Path(src).is_file():
                     size = Path(src).stat().st_size
@@ -303,11 +309,16 @@ def _install_kill(pattern: str, nth: int, truncate: bool) -> None:
     os.replace = replace
 
 
+def disk_full_cmd(stage: str, args: list[str], at: str) -> list[str]:
+    """Run ``stage`` in a child whose ``at`` (NAME:N) rename fails with ENOSPC, as a full disk would."""
+    return [sys.executable, str(Path(__file__).resolve()), "--kill-at", at, "--disk-full", "--", stage, *args]
+
+
 def _main(argv: list[str]) -> int:
     sep = argv.index("--")
     opts, (stage, *args) = argv[:sep], argv[sep + 1:]
     pattern, nth = opts[opts.index("--kill-at") + 1].rsplit(":", 1)
-    _install_kill(pattern, int(nth), "--truncate" in opts)
+    _install_kill(pattern, int(nth), "--truncate" in opts, "--disk-full" in opts)
     sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
     if stage == "extract":
         from extract.__main__ import main as extract_main

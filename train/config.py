@@ -68,6 +68,11 @@ class TrainConfig:
         "checkpoint"
     )
     stream_poll_s: float = _data(2.0, "--stream: seconds between looks for newly landed shards")
+    stream_peer_timeout: float = _data(
+        900.0, "--stream: seconds an extraction rank's heartbeat (heartbeats/extract-rank-R.json) may stand still "
+        "before the trainer stops waiting for shards and exits 1 (far above a restart of extraction; an extraction "
+        "not started yet is waited for without bound, and one that ended says why in extract_end/)"
+    )
     teacher: str = _data(
         "auto",
         "teacher signal: topk (stored top-k logprobs), last_hidden (re-apply the target lm_head), "
@@ -193,6 +198,9 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("stream_poll_s", "stream_peer_timeout"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if self.max_steps <= 0 and self.num_epochs <= 0:
             raise ConfigError("set max_steps > 0 or num_epochs > 0")
         if not 0.0 <= self.val_fraction < 1.0:

@@ -301,6 +301,8 @@ class Trainer:
         if self.last_saved != self.step:
             log.info("waiting for data at step %d: saving first, so the shards behind it can go", self.step)
             self.save()
+        else:  # saved already: groups passed since without a step (no trainable sample) can still go
+            self.data.saved(self.state, finished=self.finished)
 
     # ------------------------------------------------------------------------------------------ loop
 

@@ -32,6 +32,7 @@ from torch.utils.data import Dataset
 
 from core.config import ConfigError
 from core.dataset.format import DatasetError, shard_relpath, teacher_kinds
+from core.dataset.liveness import TRAINER, Heartbeat, PeerGone, extraction_check, heartbeat_interval
 from core.dataset.window import (
     HEADER_NAME,
     PLAN_NAME,
@@ -104,9 +105,15 @@ class StreamSource:
     _groups: dict[int, _Group] = field(default_factory=dict)
     _epoch: int = -1
     _verified: set[int] = field(default_factory=set)  # shards whose file matched their seal (rank 0)
+    _heartbeat: Heartbeat | None = None  # rank 0 of a --stream run: extraction sees the trainer alive
+    _extraction: Callable[[], None] | None = None  # rank 0 of a --stream run: raises PeerGone when it is gone
 
     def __post_init__(self) -> None:
         self.root = Path(self.root)
+        if self.wait and self.rank == 0:
+            timeout = float(self.cfg.stream_peer_timeout)
+            self._heartbeat = Heartbeat(self.root, TRAINER, heartbeat_interval(timeout)).start()
+            self._extraction = extraction_check(self.root, timeout)
         if not self.wait:  # a finished dataset: its manifest says everything (plan.json may not exist)
             from core.dataset.format import load_manifest
 
@@ -116,9 +123,8 @@ class StreamSource:
             self.num_shards = len(manifest["shards"])
             return
         for name in (PLAN_NAME, HEADER_NAME):
-            if not (self.root / name).is_file():
-                self._wait_for(lambda n=name: (self.root / n).is_file(), f"{self.root / name} (written by "
-                               "extraction before its first shard)")
+            self._wait_for(lambda n=name: self._everyone((self.root / n).is_file), f"{self.root / name} (written by "
+                           "extraction before its first shard)")
         self.header = json.loads((self.root / HEADER_NAME).read_text())
         self.num_shards = int(json.loads((self.root / PLAN_NAME).read_text())["num_shards"])
         self.plan = plan_fingerprint(self.root)
@@ -178,12 +184,31 @@ class StreamSource:
             self._verified.add(shard)
         return True
 
+    def _everyone(self, look: Callable[[], Any]) -> Any:
+        """Rank 0's ``look()``, on every rank (the ranks wait in step, whatever each would see itself)."""
+        return _broadcast(self.accelerator, look() if self.rank == 0 else None)
+
+    def _check_extraction(self) -> None:
+        """Raise PeerGone on every rank when rank 0 sees that extraction ended early or stopped beating."""
+        gone = None
+        if self._extraction is not None:
+            try:
+                self._extraction()
+            except PeerGone as e:
+                gone = (str(e), e.exit_code)
+        gone = _broadcast(self.accelerator, gone)
+        if gone is not None:
+            raise PeerGone(*gone)
+
     def _wait_for(self, ready: Callable[[], bool], what: str) -> None:
+        """Wait until ``ready()`` (the same answer on every rank), looking at extraction's end state and heartbeat
+        between polls: a trainer waiting here has saved its progress (``before_wait``), so stopping loses nothing."""
         start = time.perf_counter()
         last = start - 15.0  # the first wait is reported at once, then every 15 s
         while not ready():
             if not self.wait:
                 raise DatasetError(f"{what}: not there (data_order=stream reads a finished folder unless --stream)")
+            self._check_extraction()
             now = time.perf_counter()
             if now - last >= 15.0:
                 log.info("waiting for %s (%.0f s so far)", what, now - start)
@@ -294,6 +319,8 @@ class StreamSource:
             from core.dataset.window import close_stream
 
             close_stream(self.root, {"step": step, "stream_trained_to_its_end": finished})
+            if self._heartbeat is not None:
+                self._heartbeat.stop()
 
     def state_dict(self) -> dict[str, Any]:
         return {"group_sizes": self.group_sizes, "consumed_upto": self.consumed_upto}

@@ -200,10 +200,12 @@ def window_usage(root: Path) -> WindowUsage:
 
 
 def wait_for_room(root: Path, max_bytes: int, max_shards: int, group_shards: int = 1, *, poll_s: float = 1.0,
-                  report_every_s: float = 15.0, sleep: Callable[[float], None] = time.sleep) -> float:
+                  report_every_s: float = 15.0, sleep: Callable[[float], None] = time.sleep,
+                  peer: Callable[[], None] | None = None) -> float:
     """Block while the window is at its limits (0: no limit); returns the seconds waited. Says what it waits on.
-    Raises StreamClosed once the trainer has finished (``close_stream``), and ConfigError once a landed shard
-    shows that the window cannot hold ``group_shards`` + 1 shards (sizes not known when planning: regeneration)."""
+    Raises StreamClosed once the trainer has finished (``close_stream``), ConfigError once a landed shard
+    shows that the window cannot hold ``group_shards`` + 1 shards (sizes not known when planning: regeneration),
+    and whatever ``peer`` raises while it waits (``core.dataset.liveness.trainer_check``: the trainer is gone)."""
     start = time.perf_counter()
     last = start - report_every_s  # the first wait is reported at once
     while True:
@@ -218,6 +220,8 @@ def wait_for_room(root: Path, max_bytes: int, max_shards: int, group_shards: int
                                    or (max_shards and use.shards >= max_shards))
         if not full:
             return time.perf_counter() - start
+        if peer is not None:
+            peer()
         now = time.perf_counter()
         if now - last >= report_every_s:
             log.info("window full (%d shards, %.1f MB of %s): waiting for training to consume shards in %s",
