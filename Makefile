@@ -26,12 +26,13 @@ venv: $(VENV)/.installed
 # The tests, by folder (tests/README.md): tests/unit (seconds each), tests/stage (the stages on the embedded
 # targets), tests/engine/vllm (the real vLLM CPU engine), tests/engine/sglang (SGLang's own engine on the CPU),
 # tests/engine/loaders (the real SGLang package: `make conformance`), tests/campaign (kills, streams, ranks).
-# pytest-xdist runs TEST_WORKERS workers (default: one per core, at most 2), a file to a worker, the heaviest files
-# first; each worker's torch and engine threads are the cores over the workers (tests/conftest.py).
+# pytest-xdist runs TEST_WORKERS workers (default: one per core, at most 2), a file to a worker, in the order
+# tests/conftest.py sorts them (the heavy tiers first; xdist's own reorder by test count is off); each worker's torch
+# and engine threads are the cores over the workers, and kimi-k25-mini builds in the background from the start.
 # TEST_TIMING collects junit XMLs for scripts/ci_timing.py.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 2 ] && n=2; echo $$n)
 TEST_TIMING ?= .cache/ci-timing
-PYTEST = $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+PYTEST = $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # `make test`: the three tiers a machine with the vLLM CPU venv runs; it builds that venv first and a missing one
 # fails its tests (REDRAFT_REQUIRE_VLLM). SGLang's CPU lane (`make sglang-lane`) and the campaigns

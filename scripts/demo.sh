@@ -6,6 +6,8 @@
 # DEMO_SCALE=small|default|large or a multiplier (e.g. 0.5, 2) resizes the run: samples, regenerated
 # tokens, train steps (small ~1/3 of default's time, large ~3x); a non-default scale writes to
 # demo-out-$DEMO_SCALE unless DEMO_OUT is set. DEMO_TRAIN_STEPS still overrides the step count.
+# DEMO_PROCS=1 trains in one process (two micro-batches per step: the same tokens per step as the two DeepSpeed
+# processes, in another order) where the two would only share a busy core (CI's engine-truth lane).
 # Rerunning resumes: complete shards and checkpoints are kept.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,6 +29,13 @@ case "$SCALE" in
 esac
 if [ "$SCALE" = default ]; then OUT=${DEMO_OUT:-demo-out}; else OUT=${DEMO_OUT:-demo-out-$SCALE}; fi
 TRAIN_STEPS=${DEMO_TRAIN_STEPS:-$STEPS}
+PROCS=${DEMO_PROCS:-2}
+case "$PROCS" in
+  1) LAUNCH=("$PY" train/main.py --grad-accum 2); HOW="1 process, 2 micro-batches per step" ;;
+  2) LAUNCH=("$PY" -m accelerate.commands.launch --config_file configs/accelerate/cpu-2proc-zero2.yaml train/main.py)
+     HOW="2 DeepSpeed ZeRO-2 processes on CPU" ;;
+  *) echo "DEMO_PROCS must be 1 or 2, got '$PROCS'" >&2; exit 2 ;;
+esac
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 DS_ACCELERATOR=cpu WANDB_MODE=${WANDB_MODE:-offline}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 start=$(date +%s)
@@ -37,9 +46,8 @@ echo "== 1/5 extract: $OUT/data"
 echo "== 2/5 verify"
 "$PY" -m extract.verify "$OUT/data"
 
-echo "== 3/5 train: $OUT/drafter (2 DeepSpeed ZeRO-2 processes on CPU)"
-"$PY" -m accelerate.commands.launch --config_file configs/accelerate/cpu-2proc-zero2.yaml \
-  train/main.py --config configs/demo/train.yaml --data "$OUT/data" --out "$OUT/drafter" \
+echo "== 3/5 train: $OUT/drafter ($HOW)"
+"${LAUNCH[@]}" --config configs/demo/train.yaml --data "$OUT/data" --out "$OUT/drafter" \
   --max-steps "$TRAIN_STEPS" --resume auto --report-to none
 
 echo "== 4/5 offline acceptance (held-out split recorded at training)"

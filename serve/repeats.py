@@ -4,7 +4,8 @@
 Each repeat starts every server in turn (base, then each drafter or setting), measures it with
 ``serve.bench``'s sweep (warm-up, each concurrency, the engine's spec-decode counters around each) and stops
 it; repeats interleave (a, b, c, a, b, c, ...) so that load from elsewhere on the machine hits every server
-alike. Start-up is reported apart from every rate.
+alike. Start-up is reported apart from every rate. ``run_on_one_start`` runs several measurements on one start
+(``serve.tune``'s probe and its sweep's first repeat of the same setting).
 
 Pooling over repeats:
 
@@ -111,30 +112,56 @@ def measure(spec: ServerSpec, url: str, cfg: Any, prompts: Sequence[str], ids: S
     return {**result, "levels": [asdict(lv) for lv in result["levels"]]}
 
 
+@dataclass(frozen=True)
+class Job:
+    """One measurement on a started server: the run's name in the report, serve.bench's settings, the traffic."""
+
+    name: str
+    cfg: Any
+    prompts: Sequence[str]
+    ids: Sequence[list[int]]
+
+
+def run_on_one_start(spec: ServerSpec, opts: ServerOptions, jobs: Sequence[Job], repeat: int,
+                     extra_env: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """Start ``spec``'s server once and run ``jobs`` on it in order (a server start is the expensive part: minutes
+    for a large target); a run each: {repeat, server, startup_s, seconds, result, after}, ``after`` naming the run
+    that used the same start before it (None for the first)."""
+    runs: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
+    try:
+        with opts.server(spec, extra_env) as srv:
+            startup = srv.load_seconds
+            for job in jobs:
+                t1 = time.perf_counter() if runs else t0
+                result = measure(spec, srv.url, job.cfg, job.prompts, job.ids)
+                runs.append({"repeat": repeat, "server": job.name, "startup_s": startup,
+                             "seconds": time.perf_counter() - t1, "result": result,
+                             "after": runs[-1]["server"] if runs else None})
+                first = result["levels"][0]
+                log.info("repeat %d, %s: %.1f tok/s at concurrency %d, tau %s; started in %.0f s%s", repeat + 1,
+                         job.name, first["aggregate_tok_s"], first["concurrency"],
+                         "n/a" if first["accept_length"] is None else f"{first['accept_length']:.3f}", startup,
+                         f" (the start of {runs[0]['server']})" if len(runs) > 1 else "")
+    except (EngineError, ServingError) as e:
+        raise SweepError(f"repeat {repeat + 1}, server {spec.name}: {e}") from None
+    return runs
+
+
 def run_interleaved(specs: Sequence[ServerSpec], opts: ServerOptions, cfg: Any, prompts: Sequence[str],
                     ids: Sequence[list[int]], repeats: int,
-                    on_run: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
+                    on_run: Callable[[list[dict[str, Any]]], None] | None = None,
+                    first_repeat: int = 0) -> list[dict[str, Any]]:
     """Every server once per repeat, in order, each freshly started; ``on_run`` sees the runs so far
-    after each (to rewrite a report). A run: {repeat, server, startup_s, seconds, result}."""
+    after each (to rewrite a report). A run: {repeat, server, startup_s, seconds, result, after}. Repeats are
+    numbered from ``first_repeat`` (a caller that measured repeat 0 itself continues at 1)."""
     extra_env = {"OMP_NUM_THREADS": str(opts.threads)} if opts.threads else None
     runs: list[dict[str, Any]] = []
     total = repeats * len(specs)
-    for r in range(repeats):
+    for r in range(first_repeat, first_repeat + repeats):
         for spec in specs:
             log.info("[%d/%d] repeat %d, server %s: starting", len(runs) + 1, total, r + 1, spec.name)
-            t0 = time.perf_counter()
-            try:
-                with opts.server(spec, extra_env) as srv:
-                    startup = srv.load_seconds
-                    result = measure(spec, srv.url, cfg, prompts, ids)
-            except (EngineError, ServingError) as e:
-                raise SweepError(f"repeat {r + 1}, server {spec.name}: {e}") from None
-            runs.append({"repeat": r, "server": spec.name, "startup_s": startup,
-                         "seconds": time.perf_counter() - t0, "result": result})
-            first = result["levels"][0]
-            log.info("[%d/%d] %s: %.1f tok/s at concurrency %d, tau %s; started in %.0f s", len(runs), total,
-                     spec.name, first["aggregate_tok_s"], first["concurrency"],
-                     "n/a" if first["accept_length"] is None else f"{first['accept_length']:.3f}", startup)
+            runs += run_on_one_start(spec, opts, [Job(spec.name, cfg, prompts, ids)], r, extra_env)
             if on_run is not None:
                 on_run(runs)
     return runs

@@ -18,7 +18,9 @@ Stages, each logged:
    large target takes minutes, this is what avoids a full sweep;
 3. sweep: base and every setting (k drafts), interleaved repeats, each on a freshly started server
    (``serve.repeats``, the loop ``benchmarks/serving_gain.py`` runs), tokens/s and the engine's acceptance
-   per position from its own counters;
+   per position from its own counters. The first repeat shares its server starts with the probes: a setting
+   both probed and swept is started once, probed, then swept on that start (a start of a large target takes
+   minutes); later repeats start afresh;
 4. the answer (``serve/tune_report.py``): per concurrency the best setting and its speed-up (min-max over
    repeats), the concurrency from which no setting beats base, the launch lines with explicit request limits
    (each engine pointed at its own export: EXPORT and ``--exports``), and the prediction beside each measured
@@ -55,7 +57,16 @@ from core.engines.driver_protocol import EngineError  # noqa: E402
 from core.engines.launch import ENGINES, engine_interpreter, export_engine  # noqa: E402
 from core.options import option  # noqa: E402
 from serve import cost_model  # noqa: E402
-from serve.repeats import BASE, ServerOptions, ServerSpec, SweepError, pool_server, run_interleaved  # noqa: E402
+from serve.repeats import (  # noqa: E402
+    BASE,
+    Job,
+    ServerOptions,
+    ServerSpec,
+    SweepError,
+    pool_server,
+    run_interleaved,
+    run_on_one_start,
+)
 from serve.traffic import Traffic, TrafficError, read_offline, read_traffic  # noqa: E402
 from serve.tune_report import DEFINITIONS, answer, recommendation, setting_name, write_outputs  # noqa: E402
 
@@ -170,27 +181,52 @@ def serving_config(cfg: TuneOptions, engine: str, target: str, max_tokens: int, 
                          timeout=cfg.timeout, engine=engine, api="native", tokenizer=target)
 
 
-def probe_stage(cfg: TuneOptions, opts: ServerOptions, drafter: Path, target: str, traffic: Traffic,
-                on_run: Any) -> tuple[list[dict[str, Any]], dict[int, cost_model.StepCost]]:
-    """Short runs of base and the probe settings: the cost model's step costs per concurrency."""
-    names = {0: "probe-base", **{k: f"probe-{setting_name(k)}" for k in cfg.probes()}}
-    specs = [ServerSpec(n, None if k == 0 else drafter, k) for k, n in names.items()]
-    prompts = traffic.prompts[: cfg.probe_prompts]
-    scfg = serving_config(cfg, opts.engine, target, traffic.max_tokens, probe=True)
-    runs = run_interleaved(specs, opts, scfg, [""] * len(prompts), prompts, 1, on_run=on_run)
-    summary = {n: pool_server(runs, n) for n in names.values()}
+def first_pass(cfg: TuneOptions, opts: ServerOptions, drafter: Path, target: str, traffic: Traffic,
+               on_probe: Any, on_sweep: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(probe runs, the sweep's first repeat): base and each setting started once, in order of k; on a start,
+    the probe (few prompts, one round) first when the setting is probed, then the sweep's run when it is swept
+    (none with --predict-only)."""
+    probes = set(cfg.probes())
+    swept = set() if cfg.predict_only else set(cfg.steps)
+    pcfg = serving_config(cfg, opts.engine, target, traffic.max_tokens, probe=True)
+    scfg = serving_config(cfg, opts.engine, target, traffic.max_tokens, probe=False)
+    few = traffic.prompts[: cfg.probe_prompts]
+    extra_env = {"OMP_NUM_THREADS": str(opts.threads)} if opts.threads else None
+    probe_runs: list[dict[str, Any]] = []
+    sweep_runs: list[dict[str, Any]] = []
+    for k in [0, *sorted(probes | swept)]:
+        name = BASE if k == 0 else setting_name(k)
+        jobs = []
+        if k == 0 or k in probes:
+            jobs.append(Job(f"probe-{name}", pcfg, [""] * len(few), few))
+        if not cfg.predict_only and (k == 0 or k in swept):
+            jobs.append(Job(name, scfg, [""] * len(traffic.prompts), traffic.prompts))
+        log.info("repeat 1, server %s: starting (%s)", name, ", then ".join(j.name for j in jobs))
+        for run in run_on_one_start(ServerSpec(name, None if k == 0 else drafter, k), opts, jobs, 0, extra_env):
+            (probe_runs if run["server"].startswith("probe-") else sweep_runs).append(run)
+        on_probe(probe_runs)
+        if sweep_runs:
+            on_sweep(sweep_runs)
+    return probe_runs, sweep_runs
+
+
+def probe_costs(cfg: TuneOptions, probe_runs: list[dict[str, Any]]) -> dict[int, cost_model.StepCost]:
+    """The cost model's step costs per concurrency, from the probes."""
+    names = {0: f"probe-{BASE}", **{k: f"probe-{setting_name(k)}" for k in cfg.probes()}}
+    summary = {n: pool_server(probe_runs, n) for n in names.values()}
     try:
-        return runs, cost_model.costs_from_probes(summary, names)
+        return cost_model.costs_from_probes(summary, names)
     except cost_model.ModelError as e:
         raise TuneError(f"the probes cannot fix the cost model: {e}") from None
 
 
-def sweep_stage(cfg: TuneOptions, opts: ServerOptions, drafter: Path, target: str, traffic: Traffic,
-                on_run: Any) -> list[dict[str, Any]]:
+def later_repeats(cfg: TuneOptions, opts: ServerOptions, drafter: Path, target: str, traffic: Traffic,
+                  first: list[dict[str, Any]], on_run: Any) -> list[dict[str, Any]]:
+    """The sweep's repeats after the first, interleaved, each on freshly started servers; all the sweep's runs."""
     specs = [ServerSpec(BASE)] + [ServerSpec(setting_name(k), drafter, k) for k in cfg.steps]
     scfg = serving_config(cfg, opts.engine, target, traffic.max_tokens, probe=False)
-    return run_interleaved(specs, opts, scfg, [""] * len(traffic.prompts), traffic.prompts, cfg.repeats,
-                           on_run=on_run)
+    return first + run_interleaved(specs, opts, scfg, [""] * len(traffic.prompts), traffic.prompts, cfg.repeats - 1,
+                                   on_run=lambda runs: on_run(first + runs), first_repeat=1)
 
 
 def new_report(cfg: TuneOptions, argv: Sequence[str], *, engine: str, exports: dict[str, str], target: str,
@@ -250,13 +286,14 @@ def run(cfg: TuneOptions, argv: Sequence[str]) -> dict[str, Any]:
         return on_run
 
     try:
-        probe_runs, costs = probe_stage(cfg, opts, drafter, target, traffic, save("probes"))
+        probe_runs, first = first_pass(cfg, opts, drafter, target, traffic, save("probes"), save("sweep"))
+        costs = probe_costs(cfg, probe_runs)
         predicted = cost_model.predict(costs, off["tau"], list(cfg.steps))
         report.update(probes={"runs": probe_runs}, costs=cost_model.as_dict(costs),
                       predicted={str(c): {str(k): v for k, v in p.items()} for c, p in predicted.items()})
         write_outputs(report, out, plot=False)
         if not cfg.predict_only:
-            runs = sweep_stage(cfg, opts, drafter, target, traffic, save("sweep"))
+            runs = later_repeats(cfg, opts, drafter, target, traffic, first, save("sweep"))
             report["answer"] = answer(runs, list(cfg.steps), off["tau"], predicted)
             report["recommendation"] = recommendation(report["answer"], target, exports, tp=cfg.tp)
             report["max_running_requests"] = served_limits(runs)

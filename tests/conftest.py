@@ -1,6 +1,7 @@
 """Test-wide settings: no hub, no wandb network, CPU DeepSpeed, thread pools sized to the workers, tiers in order."""
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -43,6 +44,44 @@ def _tier_rank(path: Path) -> int:
 
 def pytest_collection_modifyitems(session, config, items):
     items.sort(key=lambda item: _tier_rank(item.path))  # stable: a file's tests keep their order
+
+
+# kimi-k25-mini takes minutes to build, once per cache, under a file lock. With several workers, the controller
+# starts that build in the background when the session begins, so that no worker sleeps on the lock while the other
+# builds: the builder and the workers share the cores from the first second.
+_PREBUILD: list[subprocess.Popen] = []
+
+
+def _needs_built_targets(config) -> bool:
+    tiers = {"stage", "engine"}
+    for arg in config.args or ["tests"]:
+        parts = Path(arg.split("::")[0]).resolve().parts
+        if "tests" in parts and (parts[-1] == "tests" or tiers & set(parts[parts.index("tests") + 1:][:1])):
+            return True
+    return False
+
+
+def pytest_sessionstart(session):
+    config = session.config
+    workers = config.getoption("numprocesses", None) if hasattr(config.option, "numprocesses") else None
+    if hasattr(config, "workerinput") or not isinstance(workers, int) or workers < 2:
+        return
+    if not _needs_built_targets(config):
+        return
+    log = ROOT / ".cache" / "prebuild-kimi-k25-mini.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    code = "from catalog.builtin import KIMI_MINI, resolve_target; print(resolve_target(KIMI_MINI))"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    with open(log, "wb") as out:
+        _PREBUILD.append(subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=out,
+                                          stderr=subprocess.STDOUT))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for proc in _PREBUILD:  # a build the tests never waited for (a short selection): not left running
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(30)
 
 
 # Tests marked `sglang` need the real SGLang package. `.venv` has none (SGLang needs CUDA to install

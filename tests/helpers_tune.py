@@ -13,7 +13,8 @@ STEPS, CONC, PROMPTS, MAX_TOKENS = (2,), (1, 2), 3, 16
 
 def tune_args(ckpt: Path, target: Path, out: Path, py: str, engine: str) -> list[str]:
     """A tiny sweep: 3 MT-bench prompts answered by the target, probe base and k2, sweep base and k2 at
-    concurrency 1 and 2, one repeat (four server starts; the choice among several k is serve.tune's unit tests')."""
+    concurrency 1 and 2, one repeat (two server starts, each probed then swept; the choice among several k is
+    serve.tune's unit tests')."""
     return [str(ckpt), "--target", str(target), "--prompts", "mtbench", "--engine", engine,
             "--num-prompts", str(PROMPTS), "--max-tokens", str(MAX_TOKENS), "--steps", ",".join(map(str, STEPS)),
             "--probe-steps", "2", "--probe-prompts", "2", "--concurrency", "1,2", "--repeats", "1",
@@ -27,9 +28,11 @@ def check_report(out: Path, printed: str) -> dict:
     assert report["complete"] and report["engine_version"]
     assert report["traffic"]["samples"] == PROMPTS and report["traffic"]["max_tokens"] == MAX_TOKENS
 
-    # the probes: base and k2, one start each; the sweep: base, then each k in order
+    # the probes: base and k2; the sweep: base, then each k in order; one start per setting, probed then swept
     assert [r["server"] for r in report["probes"]["runs"]] == ["probe-base", "probe-k2"]
     assert [(r["repeat"], r["server"]) for r in report["sweep"]["runs"]] == [(0, "base")] + [(0, f"k{k}") for k in STEPS]
+    assert [r["after"] for r in report["probes"]["runs"]] == [None, None]
+    assert [r["after"] for r in report["sweep"]["runs"]] == ["probe-base", "probe-k2"]
     for run in report["probes"]["runs"] + report["sweep"]["runs"]:
         k = int(run["server"].rsplit("k", 1)[1]) if run["server"].endswith(("k1", "k2")) else 0
         assert [lv["concurrency"] for lv in run["result"]["levels"]] == list(CONC)

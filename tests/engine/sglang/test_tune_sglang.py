@@ -2,7 +2,8 @@
 on the CPU with redraft's stand-in for its kernels).
 
 The same case and the same checks as tests/engine/vllm/test_tune_vllm.py (helpers_tune): the SmolLM2 logit-lens drafter on
-three MT-bench prompts, probes of base and k = 2, a sweep of base, k = 1 and k = 2 at concurrency 1 and 2, the
+three MT-bench prompts, probes of base and k = 2, a sweep of base and k = 2 at concurrency 1 and 2 on the same two
+server starts, the
 engine's counters (here each answer's own meta_info) held against the offline walk, the prediction, the answer.
 And what SGLang says its request limit is: 48 on every speculating server (its cap when none is asked), and
 the launch line for SGLang pointing at the SGLang export, the vLLM one at the vLLM export.

@@ -2,8 +2,9 @@
 vLLM CPU servers.
 
 The SmolLM2 logit-lens drafter (tests/helpers_embedded.py) on three MT-bench prompts answered by the target
-(extract --regenerate, HF backend): offline tau, a probe of base and k = 2, the cost model, and a sweep of base,
-k = 1 and k = 2 at concurrency 1 and 2 (one repeat, five server starts in all). The report is held to the
+(extract --regenerate, HF backend): offline tau, a probe of base and k = 2, the cost model, and a sweep of base
+and k = 2 at concurrency 1 and 2 (one repeat; two server starts, each setting probed then swept on one start). The
+report is held to the
 engine's counters and to its own definitions: tau from the counters, each draft proposing k tokens, the
 offline tau equal to the engine's at concurrency 1 (the same prompts and greedy walk), the prediction
 recomputed from the fitted step costs, the best setting and crossover from the measured medians, and launch
