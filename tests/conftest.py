@@ -32,18 +32,21 @@ torch.set_num_threads(1)
 # Fixtures more than one tier uses (the built kimi-k25-mini, its model and tokenizer), defined once.
 pytest_plugins = ("helpers_kimi",)
 
-# The heaviest tiers first (xdist hands files out in collection order), so that a worker is not left with a
-# many-minute engine file while the other has finished the unit tier.
-TIER_ORDER = ("engine", "stage", "campaign", "unit")
+# The order xdist hands files out in (collection order): the stage tier first (it runs while `make test` builds the
+# vLLM CPU venv in the background), then the engine tier, the heaviest files, so that no worker is left with a
+# many-minute file while the other has finished; then the files that need kimi-k25-mini (marked uses_kimi_mini), by
+# when its background build is done; the unit tier last.
+TIER_ORDER = ("stage", "engine", "campaign", "unit")
 
 
-def _tier_rank(path: Path) -> int:
-    parts = Path(path).resolve().relative_to(ROOT / "tests").parts
-    return TIER_ORDER.index(parts[0]) if parts and parts[0] in TIER_ORDER else len(TIER_ORDER)
+def _order(item) -> float:
+    parts = Path(item.path).resolve().relative_to(ROOT / "tests").parts
+    tier = TIER_ORDER.index(parts[0]) if parts and parts[0] in TIER_ORDER else len(TIER_ORDER)
+    return TIER_ORDER.index("engine") + 0.5 if item.get_closest_marker("uses_kimi_mini") else tier
 
 
 def pytest_collection_modifyitems(session, config, items):
-    items.sort(key=lambda item: _tier_rank(item.path))  # stable: a file's tests keep their order
+    items.sort(key=_order)  # stable: a file's tests keep their order
 
 
 # kimi-k25-mini takes minutes to build, once per cache, under a file lock. With several workers, the controller

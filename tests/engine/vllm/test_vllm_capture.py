@@ -31,6 +31,8 @@ from extract.config import ExtractConfig
 from extract.pipeline import run_extraction
 from extract.verify import verify_dataset
 
+pytestmark = pytest.mark.uses_kimi_mini  # run after the tier's other files (tests/conftest.py)
+
 # The goals: per layer, median relative difference <= 1e-5 and max <= 1e-3; top-1 equal at >= 99.9%.
 MEDIAN_REL, MAX_REL, TOP1 = 1e-5, 1e-3, 0.999
 TEACHER = TeacherSpec(kinds=("topk", "last_hidden"), topk=8)
