@@ -141,10 +141,14 @@ class TrainConfig:
     attention_impl: str = _drafter(
         "eager",
         "the TTT attention kernel: eager (blocked, hand-written backward; the CPU default and the reference), sdpa "
-        "(torch SDPA with the TTT mask as a boolean tensor) or flex (FlexAttention with the TTT block mask, "
-        "compiled: the fused GPU path; CUDA only). Same math, held equal in tests",
+        "(one causal torch SDPA call per step, no mask tensor: the fused kernels; batches are right-padded) or flex "
+        "(FlexAttention with the TTT block mask, compiled: the fused GPU path; CUDA only). Same math, held equal in "
+        "tests; each linear in memory in the sample length",
         choices=("eager", "sdpa", "flex"),
     )
+    activation_checkpointing: bool = _drafter(
+        False, "recompute each TTT step's activations in the backward instead of keeping them: a step keeps only its "
+        "input state and its keys/values (long samples: far less memory per token, about one more forward)")
     hidden_size: int | None = _drafter(None, "drafter hidden size (default: the target's)")
     num_attention_heads: int | None = _drafter(None, "drafter attention heads (default: the target's)")
     num_key_value_heads: int | None = _drafter(None, "drafter KV heads (default: the target's)")

@@ -422,7 +422,7 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
     built = build_drafter(cfg, data.reader, None if point is None else point.folder)
     lm_head = read_lm_head(built, accelerator.device) if data.teacher == "last_hidden" else None
     model = TTTModel(built.drafter, steps=cfg.ttt_steps, decay=cfg.ttt_decay, teacher=data.teacher, lm_head=lm_head,
-                     teacher_chunk_tokens=cfg.teacher_chunk_tokens)
+                     teacher_chunk_tokens=cfg.teacher_chunk_tokens, recompute=cfg.activation_checkpointing)
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log.info("drafter: %s, %.2fM trainable parameters", built.drafter.config, n_train / 1e6)
 

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from core.alignment import step_counted, step_rows
 from core.dataset.batch import Batch
@@ -141,6 +142,7 @@ def ttt_forward(
     position_ids: torch.Tensor | None = None,
     return_logits: bool = False,
     head_chunk_rows: int | None = None,
+    recompute: bool = False,
 ) -> TTTOutput:
     """Unroll ``steps`` drafter steps over every position at once and return loss and metrics.
 
@@ -163,7 +165,7 @@ def ttt_forward(
     target_ids = teacher.target_ids.to(torch.int64)
     in_draft = t2d[target_ids.clamp(0, t2d.numel() - 1)] & (target_ids >= 0) & (target_ids < t2d.numel())
 
-    normed = _step_states(drafter, ids, aux_hidden, attention_mask, position_ids, steps)
+    normed = _step_states(drafter, ids, aux_hidden, attention_mask, position_ids, steps, recompute)
     all_logits: list[torch.Tensor] = []
     if return_logits:
         with torch.no_grad():
@@ -204,10 +206,11 @@ def ttt_forward(
 
 def _step_states(
     drafter: DrafterBase, ids: torch.Tensor, aux_hidden: torch.Tensor, attention_mask: torch.Tensor | None,
-    position_ids: torch.Tensor, steps: int,
+    position_ids: torch.Tensor, steps: int, recompute: bool = False,
 ) -> list[torch.Tensor]:
     """The tensor lm_head reads, [B, T, H], for each of ``steps`` draft steps at every row: the EAGLE unroll, or
-    DFlash's blocks (one pass, every row's block at once)."""
+    DFlash's blocks (one pass, every row's block at once). ``recompute``: each EAGLE step's activations are
+    recomputed in the backward (activation checkpointing); only its input state and keys/values are kept."""
     if drafter.config.block:
         return drafter.block_states(ids, aux_hidden, attention_mask, steps)
     cache = TTTCache()
@@ -215,9 +218,27 @@ def _step_states(
     normed: list[torch.Tensor] = []
     for k in range(steps):
         tokens, hidden = drafter.step_inputs(k, step_rows(ids, k), hidden)  # P-EAGLE: its placeholder slot
-        hidden = drafter(tokens, hidden, position_ids + k, cache, attention_mask)
+        if recompute and torch.is_grad_enabled():
+            hidden, key, value = checkpoint(_checkpointed_step, drafter, tokens, hidden, position_ids + k,
+                                            attention_mask, len(cache), *cache.keys, *cache.values,
+                                            use_reentrant=False)
+            cache.keys.append(key)
+            cache.values.append(value)
+        else:
+            hidden = drafter(tokens, hidden, position_ids + k, cache, attention_mask)
         normed.append(drafter.logit_input(hidden))
     return normed
+
+
+def _checkpointed_step(
+    drafter: DrafterBase, tokens: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None, n_prev: int, *kv: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One TTT step as a pure function of the earlier steps' keys/values (a fresh cache each call), so that the
+    backward's recomputation sees exactly the forward's inputs; returns the state and this step's key/value."""
+    cache = TTTCache(keys=list(kv[:n_prev]), values=list(kv[n_prev:]))
+    hidden = drafter(tokens, hidden, position_ids, cache, attention_mask)
+    return hidden, cache.keys[-1], cache.values[-1]
 
 
 class TTTModel(nn.Module):
@@ -239,6 +260,7 @@ class TTTModel(nn.Module):
         teacher: str = "topk",
         lm_head: torch.Tensor | None = None,
         teacher_chunk_tokens: int = 1024,
+        recompute: bool = False,
     ) -> None:
         super().__init__()
         if teacher not in ("topk", "last_hidden"):
@@ -251,6 +273,7 @@ class TTTModel(nn.Module):
         self.teacher = teacher
         self.lm_head = lm_head
         self.teacher_chunk_tokens = teacher_chunk_tokens
+        self.recompute = recompute
 
     @torch.no_grad()
     def teacher_targets(self, batch: Batch) -> TeacherTargets:
@@ -275,4 +298,5 @@ class TTTModel(nn.Module):
             teacher=self.teacher_targets(batch),
             steps=self.steps,
             decay=self.decay,
+            recompute=self.recompute,
         )

@@ -27,12 +27,14 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from core.drafter.config import DrafterConfig
 from core.drafter.modeling import DrafterBase, DrafterMLP, RMSNorm
 from core.drafter.rope import Rope
 
-# bytes of attention scores one chunk of drafting rows may hold (fp32; the backward keeps them per chunk)
+# bytes of attention scores one chunk of drafting rows may hold (fp32; recomputed in the backward when a
+# sequence takes several chunks)
 BLOCK_SCORE_BYTES = 64 * 2**20
 
 
@@ -132,7 +134,7 @@ class DFlashDrafter(DrafterBase):
 
     def block_states(
         self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, attention_mask: torch.Tensor | None, steps: int,
-        score_bytes: int = BLOCK_SCORE_BYTES,
+        score_bytes: int | None = None,
     ) -> list[torch.Tensor]:
         """``steps`` states [B, T, H]: state k at row t is ``norm(h)`` of block slot k + 1 for the block drafted after
         row t (context rows <= t, token t + 1 at position t + 1, masks after it). Right-padded [B, T] inputs;
@@ -150,11 +152,18 @@ class DFlashDrafter(DrafterBase):
         context = [layer.self_attn.keys_values(ctx, cos, sin) for layer in self.layers]
         slots = steps + 1
         heads = self.config.num_attention_heads
-        rows_per_chunk = max(1, score_bytes // max(1, 4 * bsz * slots * heads * (seq + slots)))
+        budget = BLOCK_SCORE_BYTES if score_bytes is None else score_bytes
+        rows_per_chunk = max(1, budget // max(1, 4 * bsz * slots * heads * (seq + slots)))
         out: list[list[torch.Tensor]] = [[] for _ in range(steps)]
+        # With several chunks each one's scores would be kept for the backward, together [T, T]-sized: recompute
+        # them there instead (memory linear in T; one more forward of the blocks).
+        recompute = torch.is_grad_enabled() and seq > rows_per_chunk
         for r0 in range(0, seq, rows_per_chunk):
             rows = pos[r0:r0 + rows_per_chunk]  # drafting rows t
-            states = self._blocks(ids, real, rows, slots, context)  # [B, R, S, H]
+            if recompute:
+                states = checkpoint(self._blocks, ids, real, rows, slots, context, use_reentrant=False)
+            else:
+                states = self._blocks(ids, real, rows, slots, context)  # [B, R, S, H]
             for k in range(steps):
                 out[k].append(states[:, :, k + 1])
         return [torch.cat(chunks, dim=1) for chunks in out]

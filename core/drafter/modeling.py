@@ -333,10 +333,11 @@ class Eagle3Drafter(DrafterBase):
     """One-layer EAGLE-3 drafter (Llama-style layer whose attention reads [embedding, hidden])."""
 
     def __init__(self, config: DrafterConfig, attention_impl: str = "eager") -> None:
-        """attention_impl: "eager" (explicit scores, SpecForge's sdpa-path math; the reference),
-        "sdpa" (torch SDPA over the concatenated step keys with a [T, (k+1)T] mask: never holds
-        the [T, T] score matrix on GPU kernels that support masks; same math, other rounding) or
-        "flex" (FlexAttention with the TTT block mask; fused on CUDA, forward only on a CPU)."""
+        """attention_impl: "eager" (explicit scores in blocks of query rows, SpecForge's sdpa-path math;
+        the reference), "sdpa" (one causal torch SDPA call per step, no mask tensor, the diagonal keys
+        joined through one extra key: the fused kernels; same math, other rounding) or "flex"
+        (FlexAttention with the TTT block mask; fused on CUDA, forward only on a CPU). Each is linear
+        in memory in the sequence length (core.drafter.ttt_attention)."""
         super().__init__()
         c = config
         self._init_embedding(c)

@@ -3,13 +3,17 @@
 The first step's keys are attended causally (plus key padding); every later step adds only its
 own same-position ("diagonal") key. That is also the pattern of chain drafting in an engine (the
 drafter's keys for positions <= t come from the target's features, the later ones are its own),
-so training and offline evaluation share this code. Three implementations of the same math:
-``eager`` (a hand-written autograd kernel over blocks of query rows, the reference numerics; it
-keeps no [T, T] scores for the backward; the CPU default), ``sdpa`` (torch SDPA over the concatenated
-step keys with a boolean [T, (k+1)T] mask, for GPU kernels that take masks) and ``flex`` (FlexAttention
-over the same keys with the TTT pattern as a block mask: the causal step-0 keys and each later step's
-diagonal, so the kernel skips the blocks nothing sees; compiled on CUDA, where it is fused forward and
-backward; on a CPU it runs forward only, for tests).
+so training and offline evaluation share this code. Three implementations of the same math, each
+with memory linear in the sequence length T (no [T, T] tensor anywhere: Kimi-K2.5's conversations
+run to 64K tokens and more, where one [T, T] fp32 mask is 16 GiB):
+
+- ``eager``: a hand-written autograd kernel over blocks of query rows, each block masked as it is
+  scored; the reference numerics and the CPU default.
+- ``sdpa``: torch SDPA, causal with no mask tensor (its fused flash kernels on CUDA and CPU), the
+  diagonal keys joined through one extra key every query sees (see ``_sdpa_attention``); it reads
+  key padding as right padding, which is how every batch here is built.
+- ``flex``: FlexAttention with the TTT pattern as a block mask (compiled on CUDA, fused forward and
+  backward; on a CPU forward only, for tests).
 """
 
 from __future__ import annotations
@@ -39,27 +43,11 @@ class TTTCache:
 
     keys: list[torch.Tensor] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
-    # (attention_mask it was built from, seq, dtype, additive mask [B|1, 1, 1, T, T], rows with no step-0 key
-    # [B|1, 1, 1, T, 1] or None): the step-0 causal + key-padding mask is the same at every step of an
-    # unroll, so it is built once.
-    mask_bias: tuple[Any, int, torch.dtype, torch.Tensor, torch.Tensor | None] | None = field(default=None, repr=False)
+    # sdpa: the step-0 keys and values with the joining key in front, built once per unroll (they do not change)
+    sdpa_step0: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
         return len(self.keys)
-
-    def causal_bias(self, seq: int, attention_mask: torch.Tensor | None, dtype: torch.dtype,
-                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Additive mask (0 allowed, dtype's min elsewhere) for the step-0 keys and its all-masked rows
-        (None without an attention mask), cached per unroll."""
-        cached = self.mask_bias
-        if cached is not None and cached[0] is attention_mask and cached[1] == seq and cached[2] == dtype:
-            return cached[3], cached[4]
-        allowed = _causal_allowed(seq, attention_mask, device)
-        allowed = allowed[:, None, None] if allowed.dim() == 3 else allowed[None, None, None]
-        bias = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
-        dead = None if attention_mask is None else ~allowed.any(-1, keepdim=True)
-        self.mask_bias = (attention_mask, seq, dtype, bias, dead)
-        return bias, dead
 
 
 def ttt_attention(
@@ -86,12 +74,23 @@ def ttt_attention(
     return out.permute(0, 3, 1, 2, 4).reshape(bsz, seq, -1)
 
 
-def _causal_allowed(seq: int, attention_mask: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-    """bool [T, T] or [B, T, T]: query i may see step-0 key j iff j <= i and j is a real token."""
-    allowed = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
-    if attention_mask is not None:
-        allowed = allowed[None] & attention_mask.to(device=device, dtype=torch.bool)[:, None, :]
-    return allowed
+def _real_keys(attention_mask: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    """bool [B, T], True for a real token; None when every token is real."""
+    return None if attention_mask is None else attention_mask.to(device=device, dtype=torch.bool)
+
+
+def _block_allowed(a: int, e: int, real: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """bool [B|1, 1, 1, e - a, e]: query row i in [a, e) may see step-0 key j iff j <= i and j is real.
+    Built per block of rows as it is scored, so no [T, T] mask exists."""
+    allowed = torch.arange(e, device=device)[None, :] <= torch.arange(a, e, device=device)[:, None]
+    if real is not None:
+        return (allowed[None] & real[:, None, :e])[:, None, None]
+    return allowed[None, None, None]
+
+
+def _dead_rows(real: torch.Tensor | None) -> torch.Tensor | None:
+    """bool [B, 1, 1, T, 1]: query rows with no real step-0 key at or before them (None without padding)."""
+    return None if real is None else (real.cumsum(-1) == 0)[:, None, None, :, None]
 
 
 # Query rows per block of the eager kernel: the [rows, keys] fp32 score block of all heads is then
@@ -114,9 +113,9 @@ def _eager_attention(
     """
     bsz, nkv, groups, seq = q.shape[:4]
     rows = block_rows or eager_block_rows(bsz, nkv * groups, seq)
-    bias, dead = cache.causal_bias(seq, attention_mask, torch.promote_types(q.dtype, torch.float32), q.device)
+    real = _real_keys(attention_mask, q.device)
     scale = default_scale(q.shape[-1]) if scale is None else float(scale)
-    return _TTTAttention.apply(q, bias, dead, len(cache.keys) - 1, rows, scale, *cache.keys, *cache.values)
+    return _TTTAttention.apply(q, real, len(cache.keys) - 1, rows, scale, *cache.keys, *cache.values)
 
 
 def _blocks(seq: int, rows: int) -> list[tuple[int, int]]:
@@ -147,11 +146,11 @@ class _TTTAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, bias, dead, n_diag, block_rows, scale, *kv):  # type: ignore[override]
+    def forward(ctx, q, real, n_diag, block_rows, scale, *kv):  # type: ignore[override]
         bsz, nkv, groups, seq, hd = q.shape
         keys, values = kv[: n_diag + 1], kv[n_diag + 1:]
         hv = values[0].shape[-1]
-        dt, acc = q.dtype, bias.dtype
+        dt, acc = q.dtype, torch.promote_types(q.dtype, torch.float32)
         qs = q * scale
         k0 = keys[0].reshape(bsz * nkv, seq, hd)
         v0 = values[0].reshape(bsz * nkv, seq, hv)
@@ -161,7 +160,8 @@ class _TTTAttention(torch.autograd.Function):
         for a, e in blocks:
             n = e - a
             s0 = torch.bmm(qs[..., a:e, :].reshape(bsz * nkv, groups * n, hd), k0[:, :e].transpose(1, 2))
-            s0 = s0.view(bsz, nkv, groups, n, e).to(acc).add_(bias[..., a:e, :e])
+            s0 = s0.view(bsz, nkv, groups, n, e).to(acc)
+            s0.masked_fill_(~_block_allowed(a, e, real, q.device), torch.finfo(acc).min)
             m0 = s0.amax(-1) if n_diag else None
             p0 = torch.softmax(s0, dim=-1)  # over the step-0 keys alone
             del s0
@@ -186,8 +186,8 @@ class _TTTAttention(torch.autograd.Function):
         ctx.n_diag = n_diag
         ctx.block_rows = block_rows
         ctx.scale = scale
-        ctx.dead = dead if n_diag == 0 else None  # with diagonal keys no row is empty
-        ctx.bias = bias
+        ctx.dead = _dead_rows(real) if n_diag == 0 else None  # with diagonal keys no row is empty
+        ctx.real = real
         ctx.kept = kept is not None
         ctx.save_for_backward(qs, out, *(() if kept is None else (kept,)), *(() if w0 is None else (w0, pd)), *kv)
         return out
@@ -204,9 +204,9 @@ class _TTTAttention(torch.autograd.Function):
             w0, pd = saved[:2]
         kv = saved[2:] if n_diag else saved
         keys, values = kv[: n_diag + 1], kv[n_diag + 1:]
-        bias, dead = ctx.bias, ctx.dead
+        real, dead = ctx.real, ctx.dead
         bsz, nkv, groups, seq, hd = qs.shape
-        dt, acc = qs.dtype, bias.dtype
+        dt, acc = qs.dtype, torch.promote_types(qs.dtype, torch.float32)
         dout = dout.to(dt)
         rowdot = (dout.to(acc) * out.to(acc)).sum(-1, keepdim=True)  # [.., T, 1] = rowsum(P * dP), all keys
         # step-0 block: P0 = w0 * p0, so scale dO (small) instead of the score block
@@ -225,7 +225,7 @@ class _TTTAttention(torch.autograd.Function):
                 p0 = kept
             else:  # the forward's softmax again (not exp(s - lse): exp of the masked entries is slow on CPU)
                 s0 = torch.bmm(q3, k0[:, :e].transpose(1, 2)).view(bsz, nkv, groups, n, e).to(acc)
-                p0 = torch.softmax(s0.add_(bias[..., a:e, :e]), dim=-1)
+                p0 = torch.softmax(s0.masked_fill_(~_block_allowed(a, e, real, qs.device), torch.finfo(acc).min), -1)
                 del s0
             p3 = p0.view(bsz * nkv, groups * n, e)
             do3 = do0[..., a:e, :].reshape(bsz * nkv, groups * n, hv)
@@ -261,30 +261,68 @@ class _TTTAttention(torch.autograd.Function):
                 dkeys.append((w * qs).sum(2))
                 dvalues.append((pd[..., j : j + 1].to(dt) * dout).sum(2))
         dq = dqs * ctx.scale
-        return (dq, None, None, None, None, None, *dkeys, *dvalues)
+        return (dq, None, None, None, None, *dkeys, *dvalues)
 
 
 def _sdpa_attention(
     q: torch.Tensor, cache: TTTCache, attention_mask: torch.Tensor | None, *, scale: float | None = None
 ) -> torch.Tensor:
-    """Same attention as _eager_attention via F.scaled_dot_product_attention over [k0 | k1 | ... | kk]."""
+    """Same attention as _eager_attention through one causal F.scaled_dot_product_attention, no mask tensor.
+
+    The diagonal keys are joined through one extra "joining" key placed before the step-0 keys (with
+    one extra query row in front, so that the square causal pattern still lets query i see keys 0..i).
+    The joining key scores lse_i = logsumexp_j(q_i . k_j[i] * scale) for each query (two extra
+    head-dimension coordinates: lse_i / scale on the query side, 1 on the key side, 0 on every real
+    key) and its value is the unit vector of one extra value column. The kernel's own softmax then
+    gives the step-0 keys their share of the joint softmax, and the extra column the diagonal keys'
+    share u_i; the diagonal keys' output is u_i * sum_j softmax_j * v_j[i], all [T]-sized.
+    Queries, keys and values are padded to one head width, a multiple of 8, so that the fused kernels
+    run (not the math path, which builds [T, T] scores).
+
+    Key padding is read as right padding: a real query row sees only real keys at or before it, and
+    a padded row (ignored by every loss and walk) stays finite. A mask with a hole is refused.
+    """
     bsz, nkv, groups, seq, hd = q.shape
-    steps = len(cache.keys)
-    allowed = _causal_allowed(seq, attention_mask, q.device)
-    if allowed.dim() == 2:
-        allowed = allowed[None]
-    allowed = allowed.clone()
-    allowed[..., 0] = True  # no-op for real rows (key 0 is real); avoids NaN rows in all-padding samples
-    if steps > 1:
-        eye = torch.eye(seq, dtype=torch.bool, device=q.device).expand(allowed.shape[0], seq, seq)
-        allowed = torch.cat([allowed, *([eye] * (steps - 1))], dim=-1)  # [B|1, T, steps*T]
-    keys = torch.cat(cache.keys, dim=2).repeat_interleave(groups, dim=1)  # [B, heads, steps*T, hd]
-    values = torch.cat(cache.values, dim=2).repeat_interleave(groups, dim=1)
-    out = F.scaled_dot_product_attention(
-        q.reshape(bsz, nkv * groups, seq, hd), keys, values, attn_mask=allowed[:, None],
-        scale=default_scale(hd) if scale is None else float(scale),
-    )
-    return out.view(bsz, nkv, groups, seq, values.shape[-1])
+    scale = default_scale(hd) if scale is None else float(scale)
+    if attention_mask is not None and bool((attention_mask[:, 1:] > attention_mask[:, :-1]).any()):
+        raise ValueError("attention_impl 'sdpa' reads key padding as right padding; this batch's attention_mask "
+                         "has a real token after a padded one (use eager)")
+    n_diag = len(cache.keys) - 1
+    hv = cache.values[0].shape[-1]
+    if n_diag == 0:
+        width = _round8(max(hd, hv))  # one width for q, k and v (MLA's values are narrower than its keys)
+        keys = F.pad(cache.keys[0], (0, width - hd)).repeat_interleave(groups, dim=1)  # [B, heads, T, width]
+        values = F.pad(cache.values[0], (0, width - hv)).repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(F.pad(q, (0, width - hd)).reshape(bsz, nkv * groups, seq, width), keys,
+                                             values, is_causal=True, scale=scale)
+        return out[..., :hv].reshape(bsz, nkv, groups, seq, hv)
+    width = _round8(max(hd + 2, hv + 1))  # the joining coordinates (keys) and column (values) included
+    if cache.sdpa_step0 is None:
+        k0 = F.pad(cache.keys[0], (0, width - hd, 1, 0))  # [B, n_kv, 1 + T, width], the joining key first
+        k0[:, :, 0, hd : hd + 2] = 1.0
+        v0 = F.pad(cache.values[0], (0, width - hv, 1, 0))
+        v0[:, :, 0, hv] = 1.0
+        cache.sdpa_step0 = (k0.repeat_interleave(groups, dim=1), v0.repeat_interleave(groups, dim=1))
+    keys, values = cache.sdpa_step0
+    diag = torch.stack([(q * kj[:, :, None]).sum(-1) for kj in cache.keys[1:]], dim=-1) * scale  # [.., T, k]
+    lse = torch.logsumexp(diag.to(torch.promote_types(q.dtype, torch.float32)), dim=-1)
+    # lse / scale as two numbers of q's dtype (high part + rest): in bf16 one alone carries 8 bits of mantissa, so the
+    # split between step-0 and diagonal keys would move by up to ~0.2% of lse (about 1% at lse = 5)
+    joint = lse.to(torch.promote_types(q.dtype, torch.float32)) / scale
+    high = joint.to(q.dtype)
+    low = (joint - high).to(q.dtype)
+    qx = F.pad(torch.cat((q, high[..., None], low[..., None]), dim=-1), (0, width - hd - 2, 1, 0))  # [.., 1 + T, w]
+    out = F.scaled_dot_product_attention(qx.reshape(bsz, nkv * groups, seq + 1, width), keys, values,
+                                         is_causal=True, scale=scale)[:, :, 1:]
+    out = out.reshape(bsz, nkv, groups, seq, width)
+    share = out[..., hv : hv + 1]  # the diagonal keys' share of the joint softmax
+    probs = torch.softmax(diag, dim=-1)
+    vdiag = sum(probs[..., j : j + 1] * vj[:, :, None] for j, vj in enumerate(cache.values[1:]))
+    return out[..., :hv] + share * vdiag
+
+
+def _round8(n: int) -> int:
+    return -(-n // 8) * 8
 
 
 _COMPILED_FLEX: Any = None
