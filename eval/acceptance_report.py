@@ -33,6 +33,8 @@ def _rows(results: dict[str, dict[str, Any]]) -> list[tuple[str, list[str]]]:
             add(f"tau chain length {j}", lambda r, j=j: f"{r['tau_per_chain_length'][str(j)]:.3f}")
     if walked:
         add("requests / verify rounds", lambda r: f"{r['engine_walk']['requests']} / {r['engine_walk']['rounds']}")
+        for name in first["engine_walk"]["tau_by_position"]:
+            add(f"tau at positions {name} (rounds)", lambda r, name=name: _bucket(r, name))
     if first.get("sglang_request_accept_length") is not None:
         add("SGLang meta_info accept length", lambda r: f"{r['sglang_request_accept_length']:.3f}")
     if walked:
@@ -57,6 +59,13 @@ def _rows(results: dict[str, dict[str, Any]]) -> list[tuple[str, list[str]]]:
         f"{r['data_argmax_agreement']['agreeing']}/{r['data_argmax_agreement']['counted']}"))
     add("eval tokens/s", lambda r: f"{r['tokens_per_s']:.0f}")
     return rows
+
+
+def _bucket(result: dict[str, Any], name: str) -> str:
+    cell = result["engine_walk"]["tau_by_position"].get(name)
+    if not cell or not cell["rounds"]:
+        return "-"
+    return f"{cell['tau']:.3f} ({cell['rounds']})"
 
 
 def format_table(results: dict[str, dict[str, Any]]) -> str:

@@ -60,6 +60,15 @@ import torch
 from core.alignment import step_offset
 from core.answers import answer_runs, engine_stop  # noqa: F401  (the walk's rules 1 and 4)
 
+# Where in a conversation a verify round drafts, by the row it drafts from (accepted_at's): long-context
+# drafters are judged past the 4K tokens training used to see (Kimi-K2.5's thinking conversations run to 64K).
+POSITION_BUCKETS: tuple[tuple[str, int], ...] = (("0-4K", 0), ("4K-16K", 4096), ("16K+", 16384))
+
+
+def position_bucket(position: int) -> int:
+    """Index into POSITION_BUCKETS of a token position."""
+    return sum(position >= start for _, start in POSITION_BUCKETS) - 1
+
 
 @dataclass
 class WalkStats:
@@ -76,10 +85,15 @@ class WalkStats:
     off_path: int = 0  # rounds cut because the data left the target's argmax
     request_tau_sum: float = 0.0  # sum over requests of output_tokens / rounds (SGLang meta_info)
     request_tau_n: int = 0
+    bucket_rounds: list[int] = field(default_factory=list)  # rounds and accepted drafts per POSITION_BUCKETS
+    bucket_accepted: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.accepted_per_pos:
             self.accepted_per_pos = [0] * self.steps
+        if not self.bucket_rounds:
+            self.bucket_rounds = [0] * len(POSITION_BUCKETS)
+            self.bucket_accepted = [0] * len(POSITION_BUCKETS)
 
     def __iadd__(self, other: WalkStats) -> WalkStats:
         if other.steps != self.steps:
@@ -88,7 +102,15 @@ class WalkStats:
                      "off_path", "request_tau_sum", "request_tau_n"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.accepted_per_pos = [a + b for a, b in zip(self.accepted_per_pos, other.accepted_per_pos, strict=True)]
+        self.bucket_rounds = [a + b for a, b in zip(self.bucket_rounds, other.bucket_rounds, strict=True)]
+        self.bucket_accepted = [a + b for a, b in zip(self.bucket_accepted, other.bucket_accepted, strict=True)]
         return self
+
+    def tau_by_position(self) -> dict[str, dict[str, float]]:
+        """1 + accepted / rounds over the rounds drafted in each position bucket (rounds 0: tau None)."""
+        return {name: {"tau": 1.0 + acc / rounds if rounds else None, "rounds": rounds}
+                for (name, _), rounds, acc in zip(POSITION_BUCKETS, self.bucket_rounds, self.bucket_accepted,
+                                                  strict=True)}
 
     @property
     def tau(self) -> float:
@@ -115,6 +137,7 @@ class WalkStats:
                                              if self.request_tau_n else None),
             "unverifiable_drafts": self.unverifiable,
             "off_path_rounds": self.off_path,
+            "tau_by_position": self.tau_by_position(),
         }
 
 
@@ -175,6 +198,9 @@ def _walk(st: WalkStats, ids: list[int], tgt: list[int], loss_mask: torch.Tensor
             n = accepted_at(produced - 1)
             st.rounds += 1
             rounds += 1
+            b = position_bucket(produced - 1)  # the row it drafts from, as accepted_at
+            st.bucket_rounds[b] += 1
+            st.bucket_accepted[b] += n
             st.draft_tokens += st.steps
             st.accepted += n
             for i in range(n):

@@ -132,3 +132,24 @@ def test_answer_runs_and_agreement():
     assert ew.argmax_agreement(ids, argmax, lm) == (1, 3)
     argmax[2] = 0  # now answer (2, 3) ends off the argmax: a cut answer's closing token, not counted
     assert ew.argmax_agreement(ids, argmax, lm) == (0, 2)
+
+
+def test_tau_by_position_bucket_counts_each_round_where_it_drafts():
+    """A 20K-token sample whose one answer starts at 1,000: chains drafted from rows below 4,096 accept 2 drafts,
+    from rows below 16,384 one, beyond none. Counted by hand: the prefill commits token 1,000, so the first round
+    drafts from row 999, and each round moves n + 1 rows; the last round drafts from row 19,997 (the answer's
+    last token, 19,999, is produced, not drafted from)."""
+    seq, start = 20_000, 1_000
+    ids = torch.arange(seq) % 97
+    argmax = torch.roll(ids, -1)  # every answer token is the target's argmax: no stop, no off-path
+    loss_mask = torch.zeros(seq, dtype=torch.long)
+    loss_mask[start:] = 1
+    accepted = torch.tensor([2 if p < 4096 else 1 if p < 16_384 else 0 for p in range(seq)])
+    st = ew.walk_accepted(accepted, ids, argmax, loss_mask, steps=3)
+    low = range(start - 1, 4096, 3)
+    mid = range(low[-1] + 3, 16_384, 2)
+    high = range(mid[-1] + 2, seq - 2)
+    buckets = st.tau_by_position()
+    assert [buckets[name]["rounds"] for name in ("0-4K", "4K-16K", "16K+")] == [len(low), len(mid), len(high)]
+    assert buckets["0-4K"]["tau"] == 3.0 and buckets["4K-16K"]["tau"] == 2.0 and buckets["16K+"]["tau"] == 1.0
+    assert sum(b["rounds"] for b in buckets.values()) == st.rounds
