@@ -66,6 +66,9 @@ class ExtractConfig:
     capture_dir: str = _eng("", "--backend vllm|sglang: folder the engine writes each request's hidden states to before "
                                 "they are read and removed (one capture batch at a time); a RAM disk such as "
                                 "/dev/shm is fastest. Empty: a fresh temporary folder.")
+    capture_chunk_tokens: int = _eng(8192, "--backend hf: a sample longer than this is captured in chunks of this "
+                                           "many tokens through the target's KV cache (the same states as one pass; "
+                                           "activation memory bounded by the chunk, not the sample). 0: one pass.")
     aux_layer_ids: list[int] = _eng(
         [],
         "Decoder layers to capture, as 'output of layer i' (0-based). Empty: the EAGLE-3 low/mid/high "

@@ -47,6 +47,7 @@ from core.dataset.window import (
     write_window,
 )
 from core.dataset.writer import ShardWriter, finalize_dataset
+from core.target_weights import text_config
 from extract.backends.base import GenerationConfig, TargetBackend, TeacherSpec
 from extract.chat import (
     TokenizedSample,
@@ -217,7 +218,7 @@ def load_backend(cfg: ExtractConfig, target_path: Path) -> TargetBackend:
 
         return HFTarget(
             str(target_path), name=cfg.target, aux_layer_ids=aux, dtype=cfg.dtype, device=_device(cfg),
-            trust_remote_code=cfg.trust_remote_code,
+            trust_remote_code=cfg.trust_remote_code, chunk_tokens=cfg.capture_chunk_tokens,
         )
     if cfg.backend == "vllm":
         from extract.backends.vllm import VLLMTarget
@@ -479,6 +480,20 @@ def self_prompts(cfg: ExtractConfig, out: Path, engines: _Engines) -> SelfPrompt
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def refuse_beyond_context(cfg: ExtractConfig, target_path: Path) -> Path:
+    """A ``max_length`` past the target's context would store positions the target never serves (and engines
+    refuse them after minutes of start-up): refused by name before any work. Returns ``target_path``."""
+    try:
+        config = text_config(json.loads((target_path / "config.json").read_text()))
+    except (OSError, ValueError):
+        return target_path  # the backend names a missing or broken config.json itself
+    limit = config.get("max_position_embeddings")
+    if isinstance(limit, int) and cfg.max_length > limit:
+        raise ConfigError(f"max_length={cfg.max_length} is beyond the target's context: {target_path / 'config.json'} "
+                          f"has max_position_embeddings={limit}")
+    return target_path
+
+
 def run_extraction(cfg: ExtractConfig) -> ExtractSummary:
     """Do this rank's shards, then assemble the manifest if every rank is done."""
     start = time.perf_counter()
@@ -494,7 +509,7 @@ def _run(cfg: ExtractConfig, clock: StageClock, start: float) -> ExtractSummary:
     engines: _Engines | None = None
     written: SelfPromptsResult | None = None
     if SELF_DATA in cfg.data:  # the target writes these prompts before anything is read
-        engines = _Engines(cfg, resolve_target(cfg.target))
+        engines = _Engines(cfg, refuse_beyond_context(cfg, resolve_target(cfg.target)))
         try:
             out.mkdir(parents=True, exist_ok=True)
             with span("self_prompts"):
@@ -526,7 +541,7 @@ def _run(cfg: ExtractConfig, clock: StageClock, start: float) -> ExtractSummary:
                  dict(parsed.skipped) or "none")
         if not records:
             raise ConfigError(no_records_problem(cfg, parsed.skipped))
-        target_path = resolve_target(cfg.target)
+        target_path = refuse_beyond_context(cfg, resolve_target(cfg.target))
         if cfg.backend == "sglang":  # what SGLang would refuse after minutes of start-up, before anything is written
             from extract.backends.sglang import preflight
 

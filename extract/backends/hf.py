@@ -102,6 +102,45 @@ def _first_tensor(output: Any) -> torch.Tensor:
     raise TypeError(f"decoder layer returned {type(output).__name__}; expected a tensor or a tuple starting with one")
 
 
+class _AuxHooks:
+    """Forward hooks on the aux decoder layers that copy each one's output into one [B, W, n_aux * H] buffer, at
+    ``offset`` along the sequence (a chunked capture moves it; ``length``: the buffer's width, default the first
+    output's). Used as a context manager: the hooks are removed on exit; ``tensor()`` checks that every hook fired."""
+
+    def __init__(self, decoder_layers: Any, ids: list[int], length: int | None) -> None:
+        self.decoder_layers, self.ids, self.length = decoder_layers, ids, length
+        self.offset = 0
+        self.buffer: torch.Tensor | None = None
+        self.filled: set[int] = set()
+        self.handles: list[Any] = []
+
+    def _hook_for(self, k: int) -> Any:
+        def hook(_module: nn.Module, _args: Any, output: Any) -> None:
+            h = _first_tensor(output)
+            width = h.shape[-1]
+            if self.buffer is None:
+                shape = (*h.shape[:-2], self.length or h.shape[-2], len(self.ids) * width)
+                self.buffer = h.new_empty(shape)
+            self.buffer[..., self.offset : self.offset + h.shape[-2], k * width : (k + 1) * width].copy_(h)
+            self.filled.add(k)
+
+        return hook
+
+    def __enter__(self) -> _AuxHooks:
+        self.handles = [self.decoder_layers[i].register_forward_hook(self._hook_for(k)) for k, i in enumerate(self.ids)]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    def tensor(self) -> torch.Tensor:
+        missing = [i for k, i in enumerate(self.ids) if k not in self.filled]
+        if missing or self.buffer is None:
+            raise RuntimeError(f"forward hooks on decoder layers {missing or self.ids} never fired")
+        return self.buffer
+
+
 class HFTarget(TargetBackend):
     """A target loaded with ``AutoModelForCausalLM`` from a local folder (never the hub)."""
 
@@ -115,6 +154,7 @@ class HFTarget(TargetBackend):
         device: str = "cpu",
         trust_remote_code: bool = False,
         attn_implementation: str = "sdpa",
+        chunk_tokens: int = 0,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -124,6 +164,7 @@ class HFTarget(TargetBackend):
         if dtype not in _DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(_DTYPES)}")
         self.device = torch.device(device)
+        self.chunk_tokens = int(chunk_tokens)  # a longer sample is captured in chunks through the KV cache (0: never)
         self.tokenizer = AutoTokenizer.from_pretrained(
             str(folder), local_files_only=True, trust_remote_code=trust_remote_code
         )
@@ -201,50 +242,48 @@ class HFTarget(TargetBackend):
 
         Memory: the aux states exist once, in a [B, W, n_aux*H] buffer the hooks fill as the forward passes
         each layer (no per-layer copies kept, no concatenation), and on CPU in float32 each sample's
-        ``aux_hidden`` is a view of its rows there, so a batch's features cost one copy of them.
+        ``aux_hidden`` is a view of its rows there, so a batch's features cost one copy of them. A batch wider
+        than ``chunk_tokens`` is captured one sample at a time, each in chunks through the KV cache.
         """
         if not batch:
             return []
         lengths = [len(seq) for seq in batch]
         if min(lengths) < 1:
             raise ValueError(f"empty sequence at batch index {lengths.index(0)}")
+        if 0 < self.chunk_tokens < max(lengths):
+            return [c for seq in batch for c in self._capture_one(seq, teacher)]
         width = max(lengths)
         input_ids = torch.full((len(batch), width), self._pad_id(), dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
         for row, seq in enumerate(batch):
             input_ids[row, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
             mask[row, : len(seq)] = 1
+        with self._aux_hooks() as aux, torch.inference_mode():
+            out = self.text_model(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device),
+                                  use_cache=False)
+            final = out[0] if isinstance(out, tuple) else out.last_hidden_state
+            del out
+            return self._split(aux.tensor(), final, lengths, teacher)
 
-        ids = list(self.info.aux_layer_ids)
-        filled: set[int] = set()
-        aux: torch.Tensor | None = None
+    def _capture_one(self, seq: list[int], teacher: TeacherSpec) -> list[Captured]:
+        """One sample in chunks of ``chunk_tokens`` through the KV cache: each chunk's aux states and final states
+        go into the sample's buffers at its offset, as one pass would have written them."""
+        from transformers import DynamicCache
 
-        def hook_for(k: int):
-            def hook(_module: nn.Module, _args: Any, output: Any) -> None:
-                nonlocal aux
-                h = _first_tensor(output)
-                if aux is None:
-                    aux = h.new_empty((*h.shape[:-1], len(ids) * h.shape[-1]))
-                aux[..., k * h.shape[-1] : (k + 1) * h.shape[-1]].copy_(h)
-                filled.add(k)
-
-            return hook
-
-        handles = [self.decoder_layers[i].register_forward_hook(hook_for(k)) for k, i in enumerate(ids)]
-        try:
-            with torch.inference_mode():
-                out = self.text_model(
-                    input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False
-                )
-                final = out[0] if isinstance(out, tuple) else out.last_hidden_state
+        ids = torch.as_tensor([seq], dtype=torch.long, device=self.device)
+        finals: list[torch.Tensor] = []
+        cache = DynamicCache()
+        with self._aux_hooks(len(seq)) as aux, torch.inference_mode():
+            for a in range(0, len(seq), self.chunk_tokens):
+                aux.offset = a
+                out = self.text_model(input_ids=ids[:, a : a + self.chunk_tokens], past_key_values=cache,
+                                      use_cache=True)
+                finals.append(out[0] if isinstance(out, tuple) else out.last_hidden_state)
                 del out
-                missing = [i for k, i in enumerate(ids) if k not in filled]
-                if missing or aux is None:
-                    raise RuntimeError(f"forward hooks on decoder layers {missing or ids} never fired")
-                return self._split(aux, final, lengths, teacher)
-        finally:
-            for handle in handles:
-                handle.remove()
+            return self._split(aux.tensor(), torch.cat(finals, dim=1), [len(seq)], teacher)
+
+    def _aux_hooks(self, length: int | None = None) -> _AuxHooks:
+        return _AuxHooks(self.decoder_layers, list(self.info.aux_layer_ids), length)
 
     def _split(self, aux: torch.Tensor, final: torch.Tensor, lengths: list[int], teacher: TeacherSpec) -> list[Captured]:
         """Trim padding, run the chunked teacher on the real tokens only, and move to CPU float32."""

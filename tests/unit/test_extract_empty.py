@@ -29,3 +29,16 @@ def test_an_input_with_no_record_is_refused(tmp_path, caplog):
     (line,) = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert f"data {data}: no record to extract" in line and "empty_conversation: 1" in line
     assert not out.exists()
+
+
+def test_a_max_length_beyond_the_targets_context_is_refused(tmp_path, caplog):
+    target = make_tiny_llama(tmp_path / "target", num_layers=4)  # max_position_embeddings 512
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"conversations": [{"role": "user", "content": "hi"},
+                                                  {"role": "assistant", "content": "hello"}]}) + "\n")
+    out = tmp_path / "ds"
+    assert extract_main(extract_args(target, data, out, max_length=513)) == 2
+    (line,) = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert "max_length=513 is beyond the target's context" in line and "max_position_embeddings=512" in line
+    assert not out.exists()
+    assert extract_main(extract_args(target, data, out, max_length=512)) == 0  # the limit itself is served

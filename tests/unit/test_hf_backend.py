@@ -61,6 +61,32 @@ def test_capture_matches_output_hidden_states(targets, key):
         torch.testing.assert_close(logp.gather(1, cap.topk_ids), cap.topk_logprobs.double(), atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("key", ["llama", "deepseek", "wrapped_deepseek"])
+def test_a_long_sample_captured_in_chunks_equals_one_pass(targets, key):
+    """capture_chunk_tokens: a sample longer than the chunk goes through the KV cache chunk by chunk (4 chunks of
+    4, the last short, here; MLA and YaRN-free rope in the DeepSeek targets): the same aux states, final states
+    and teacher as the whole CausalLM's one pass, and as this backend's one pass; a batch of several samples wider
+    than the chunk is captured one sample at a time in the same order."""
+    target = targets[key]
+    ids = target.info.aux_layer_ids
+    long = [int(x) for x in torch.randint(3, 200, (15,), generator=torch.Generator().manual_seed(1))]
+    whole = target.capture([long, BATCH[1]], KINDS)
+    target.chunk_tokens = 4
+    try:
+        chunked = target.capture([long, BATCH[1]], KINDS)
+    finally:
+        target.chunk_tokens = 0
+    hs, logp = _reference(target, long)
+    torch.testing.assert_close(chunked[0].aux_hidden, torch.cat([hs[i + 1][0] for i in ids], dim=-1), atol=1e-4,
+                               rtol=1e-4)
+    torch.testing.assert_close(chunked[0].last_hidden, hs[-1][0], atol=1e-4, rtol=1e-4)
+    for a, b in zip(whole, chunked, strict=True):
+        assert a.aux_hidden.shape == b.aux_hidden.shape
+        torch.testing.assert_close(b.aux_hidden, a.aux_hidden, atol=1e-5, rtol=1e-5)
+        assert torch.equal(b.topk_ids, a.topk_ids)
+        torch.testing.assert_close(b.topk_logprobs, a.topk_logprobs, atol=1e-5, rtol=0)
+
+
 def test_the_last_layer_is_refused_and_the_teacher_state_is_post_norm(targets):
     """Id L-1 cannot be an aux layer (SGLang captures the input of layer i + 1, and the last layer has no next
     one: core.layers); the last_hidden teacher is the last layer's output after the final norm, HF's
