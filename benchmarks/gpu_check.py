@@ -15,7 +15,11 @@ order, each part recorded even when a later one fails:
    CPU has no FlexAttention backward, so this is where flex's gradients are held);
 4. **loader**: the stored-row loader (core.dataset.stored) over shards written by the real writer at Kimi's
    width, up to the decoded batch on this device: tokens/s per host core, and the cores per rank that feed the
-   measured training rate.
+   measured training rate;
+5. **long context**: one training step (forward, loss, backward) of one sample of T = 4K, 16K and 32K tokens at
+   the same shape, per kernel, with and without ``activation_checkpointing``: peak memory per token (flat when
+   memory is linear in T, the arithmetic docs/long-context.md writes beside the Kimi configs) and tokens/s;
+   a case that runs out of memory is recorded as such.
 
 Writes gpu-check.json and gpu-check.md. ``--tiny`` shrinks every shape (a CPU in CI; flex forward only there).
 """
@@ -52,6 +56,7 @@ TINY_DRAFTER = {**DRAFTER, "hidden_size": 64, "num_attention_heads": 2, "num_key
 class Shape:
     drafter: dict
     seq: int
+    long_seqs: tuple[int, ...]
     equality_seq: int
     matmul: int
     steps: int  # timed optimizer steps per kernel
@@ -62,9 +67,9 @@ class Shape:
 
 def shape(tiny: bool) -> Shape:
     if tiny:
-        return Shape(TINY_DRAFTER, seq=64, equality_seq=32, matmul=256, steps=1, ttt_steps=3, loader_samples=2,
+        return Shape(TINY_DRAFTER, seq=64, long_seqs=(64, 256), equality_seq=32, matmul=256, steps=1, ttt_steps=3, loader_samples=2,
                      aux_width=64)
-    return Shape(DRAFTER, seq=4096, equality_seq=512, matmul=8192, steps=5, ttt_steps=7, loader_samples=4,
+    return Shape(DRAFTER, seq=4096, long_seqs=(4096, 16384, 32768), equality_seq=512, matmul=8192, steps=5, ttt_steps=7, loader_samples=4,
                  aux_width=KIMI["hidden"])
 
 
@@ -191,6 +196,47 @@ def kernel_equality(sh: Shape, device: torch.device) -> dict:
     return results
 
 
+def long_context(sh: Shape, device: torch.device) -> dict:
+    """One step per (T, kernel, recompute): peak memory over the step per token, and tokens/s (issue 45)."""
+    from train.ttt import TTTModel
+
+    out: dict[str, Any] = {"seqs": list(sh.long_seqs), "ttt_steps": sh.ttt_steps, "dtype": "bf16", "cases": []}
+    drafter = _drafter(sh.drafter, device, torch.bfloat16)
+    for seq in sh.long_seqs:
+        batch = _batch(sh.drafter, seq, device, torch.bfloat16, seed=3)
+        for impl in IMPLS:
+            for recompute in (False, True):
+                case: dict[str, Any] = {"seq": seq, "impl": impl, "activation_checkpointing": recompute}
+                out["cases"].append(case)
+                if impl == "flex" and device.type != "cuda":
+                    case["skipped"] = "FlexAttention trains on CUDA only"
+                    continue
+                drafter.attention_impl = impl
+                model = TTTModel(drafter, steps=sh.ttt_steps, decay=0.8, recompute=recompute)
+                try:
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+                        torch.cuda.reset_peak_memory_stats(device)
+                        base = torch.cuda.memory_allocated(device)
+                    _sync(device)
+                    start = time.perf_counter()
+                    model(batch).loss.backward()
+                    _sync(device)
+                    case["seconds"] = time.perf_counter() - start
+                    case["tokens_per_s"] = seq / case["seconds"]
+                    if device.type == "cuda":
+                        case["step_memory_gib"] = (torch.cuda.max_memory_allocated(device) - base) / 2**30
+                        case["kib_per_token"] = case["step_memory_gib"] * 2**20 / seq
+                except torch.OutOfMemoryError as e:
+                    case["error"] = f"out of memory: {str(e).splitlines()[0]}"[:300]
+                except Exception as e:  # one case failing must not hide the others
+                    case["error"] = f"{type(e).__name__}: {e}"[:2000]
+                finally:
+                    drafter.zero_grad(set_to_none=True)
+        del batch
+    return out
+
+
 def loader_rate(sh: Shape, device: torch.device) -> dict:
     """Stored rows -> pinned batch -> decoded on ``device``, over shards the real writer wrote."""
     from core.dataset.format import SampleFeatures
@@ -242,7 +288,8 @@ def run(args: argparse.Namespace) -> dict:
     parts = (("matmul", lambda: matmul_rate(device, sh.matmul)),
              ("train_step", lambda: train_step_rates(sh, device, report.get("matmul", {}).get("tflops", 1.0))),
              ("equality", lambda: kernel_equality(sh, device)),
-             ("loader", lambda: loader_rate(sh, device)))
+             ("loader", lambda: loader_rate(sh, device)),
+             ("long_context", lambda: long_context(sh, device)))
     for name, fn in parts:
         start = time.perf_counter()
         try:
@@ -290,6 +337,21 @@ def render(r: dict) -> str:
                   f"{lo['tokens_per_s_per_core']:,.0f} tokens/s, {lo['cpu_s_per_mtok']:.1f} CPU s per 1M tokens"
                   + (f"; {lo['cores_per_rank']:.2f} cores per rank feed the eager step above" if "cores_per_rank" in lo
                      else "") + ".", ""]
+    lc = r.get("long_context")
+    if lc:
+        lines += [f"Long context: one training step (forward, loss, backward), one sample, TTT {lc['ttt_steps']}, "
+                  "bf16; memory: the step's peak over what was allocated before it:", "",
+                  "| T | kernel | activation checkpointing | step memory | per token | tokens/s |",
+                  "|---:|---|---|---:|---:|---:|"]
+        for c in lc["cases"]:
+            head = f"| {c['seq']} | {c['impl']} | {'yes' if c['activation_checkpointing'] else 'no'} |"
+            if "seconds" not in c:
+                lines.append(f"{head} {c.get('skipped') or c.get('error', '')[:80]} | | |")
+                continue
+            memory = (f"{c['step_memory_gib']:.1f} GiB | {c['kib_per_token']:.0f} KiB" if "step_memory_gib" in c
+                      else "(not on a CPU) |")
+            lines.append(f"{head} {memory} | {c['tokens_per_s']:,.0f} |")
+        lines.append("")
     for name, tb in r.get("errors", {}).items():
         lines += [f"**{name} failed**: `{tb.strip().splitlines()[-1]}`", ""]
     return "\n".join(lines)

@@ -23,4 +23,8 @@ def test_gpu_check_runs_every_part_at_tiny_shapes(tmp_path):
     assert eq["sdpa"]["loss_rel_diff"] < 1e-6 and eq["sdpa"]["grad_max_rel_diff"] < 1e-5
     assert eq["flex"]["loss_rel_diff"] < 1e-6  # forward only on a CPU
     assert report["loader"]["tokens"] > 0 and "cores_per_rank" in report["loader"]
+    ran = [c for c in report["long_context"]["cases"] if "seconds" in c]
+    assert {(c["impl"], c["activation_checkpointing"]) for c in ran} == {(i, r) for i in ("eager", "sdpa")
+                                                                        for r in (False, True)}
+    assert all(c["tokens_per_s"] > 0 for c in ran) and len(ran) == 8  # 2 lengths x 2 kernels x 2 settings
     assert (tmp_path / "gpu-check.md").read_text().startswith("# GPU check")

@@ -1,0 +1,148 @@
+"""Training memory and speed against the sequence length T: is a training step linear in T?
+
+    python benchmarks/long_context.py --out docs/results/long-context
+    python benchmarks/long_context.py --seqs 4096,131072 --impls sdpa   # one path, two lengths
+
+One sample of T tokens through one training step (the TTT unroll of K steps, the loss, the backward; no optimizer
+step, whose memory does not depend on T) of an MLA drafter shaped like Kimi-K2.5's (q/k head 192 = 128 nope +
+64 rope, v 128, the served 512 + 64 latent) on a reduced width (2 heads, hidden 256, draft vocabulary 4096, a
+stored top-8 teacher) so that two CPU cores run T = 128K. Each case runs in its own process and reports the
+growth of its peak RSS (``ru_maxrss``) over the step, per token: memory linear in T keeps that figure flat. What
+a token costs at Kimi width is the GPU check's (benchmarks/gpu_check.py); the rows here say how it scales.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.reporting import publish  # noqa: E402
+
+HEADS, HIDDEN, DRAFT_VOCAB, VOCAB, TOPK, STEPS = 2, 256, 4096, 16384, 8, 3
+DEFAULT_SEQS = "4096,8192,16384,32768,65536,131072"
+
+
+def _drafter(seq: int, impl: str):
+    import torch
+
+    from core.drafter.config import DrafterConfig
+    from core.drafter.kinds import build_drafter
+    from core.drafter.vocab import build_vocab_mapping
+
+    cfg = DrafterConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=HEADS, head_dim=192,
+                        intermediate_size=2 * HIDDEN, vocab_size=VOCAB, draft_vocab_size=DRAFT_VOCAB,
+                        target_hidden_size=HIDDEN, aux_layer_ids=[1, 29, 57], target_num_layers=61,
+                        max_position_embeddings=seq + STEPS + 1, torch_dtype="float32", attention="mla",
+                        q_lora_rank=256, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                        v_head_dim=128)
+    torch.manual_seed(0)
+    drafter = build_drafter(cfg, attention_impl=impl)
+    counts = torch.randint(0, 1000, (VOCAB,), generator=torch.Generator().manual_seed(1))
+    drafter.set_vocab_mapping(*build_vocab_mapping(counts, DRAFT_VOCAB))
+    return drafter
+
+
+def _case(seq: int, impl: str) -> dict:
+    """One training step in this process: its peak RSS growth and seconds."""
+    import torch
+
+    from core.teacher_targets import teacher_from_topk
+    from train.ttt import ttt_forward
+
+    torch.set_num_threads(2)
+    drafter = _drafter(seq, impl)
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, VOCAB, (1, seq), generator=g)
+    aux = torch.randn(1, seq, 3 * HIDDEN, generator=g)
+    ones = torch.ones(1, seq, dtype=torch.long)
+    topk_ids = torch.randint(0, VOCAB, (1, seq, TOPK), generator=g)
+    topk_logprobs = torch.log_softmax(torch.randn(1, seq, TOPK, generator=g), -1)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # inputs and drafter held
+    start = time.perf_counter()
+    teacher = teacher_from_topk(topk_ids, topk_logprobs, drafter.t2d, drafter.d2t)
+    out = ttt_forward(drafter, input_ids=ids, aux_hidden=aux, attention_mask=ones, loss_mask=ones, teacher=teacher,
+                      steps=STEPS)
+    out.loss.backward()
+    seconds = time.perf_counter() - start
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"seq": seq, "impl": impl, "rss_before_bytes": before, "peak_rss_bytes": peak,
+            "step_bytes": peak - before, "seconds": seconds, "loss": float(out.loss)}
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seqs", default=DEFAULT_SEQS, help="sequence lengths, comma-separated")
+    p.add_argument("--impls", default="eager,sdpa", help="attention paths (eager, sdpa; flex trains on CUDA only)")
+    p.add_argument("--out", default="", help="write long-context.json and long-context.md here")
+    p.add_argument("--case", default="", help=argparse.SUPPRESS)  # internal: seq:impl, run in a child
+    args = p.parse_args(argv)
+    try:
+        args.seq_list = [int(x) for x in args.seqs.split(",")]
+    except ValueError:
+        p.exit(2, f"long_context: --seqs {args.seqs!r}: comma-separated integers wanted\n")
+    args.impl_list = args.impls.split(",")
+    if bad := [i for i in args.impl_list if i not in ("eager", "sdpa")]:
+        p.exit(2, f"long_context: --impls {','.join(bad)}: one of eager, sdpa (flex has no backward on a CPU)\n")
+    return args
+
+
+def _child(seq: int, impl: str) -> dict:
+    cmd = [sys.executable, __file__, "--case", f"{seq}:{impl}"]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{res.stderr[-3000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def run(args: argparse.Namespace) -> dict:
+    rows = []
+    for seq in args.seq_list:
+        for impl in args.impl_list:
+            r = _child(seq, impl)
+            rows.append(r)
+            print(f"  T={seq} {impl}: step +{r['step_bytes'] / 2**30:.2f} GiB "
+                  f"({r['step_bytes'] / seq / 1024:.1f} KiB/token), {r['seconds']:.1f} s", flush=True)
+    by_impl: dict[str, list[dict]] = {}
+    for r in rows:
+        by_impl.setdefault(r["impl"], []).append(r)
+    spread = {impl: max(r["step_bytes"] / r["seq"] for r in rs) / min(r["step_bytes"] / r["seq"] for r in rs) - 1
+              for impl, rs in by_impl.items()}
+    return {"heads": HEADS, "hidden": HIDDEN, "draft_vocab": DRAFT_VOCAB, "topk": TOPK, "ttt_steps": STEPS,
+            "threads": 2, "rows": rows, "per_token_spread": spread}
+
+
+def render(report: dict) -> str:
+    lines = [f"# Training step memory against T: MLA drafter (Kimi-K2.5's head shapes, {report['heads']} heads, hidden "
+             f"{report['hidden']}), K={report['ttt_steps']}", "",
+             f"One sample, one step (forward, loss, backward), 2 CPU threads; draft vocabulary {report['draft_vocab']}, "
+             f"stored top-{report['topk']} teacher. Step memory: the process's peak RSS growth over the step.", "",
+             "| T | path | step memory | per token | seconds | tokens/s |", "|---:|---|---:|---:|---:|---:|"]
+    for r in report["rows"]:
+        lines.append(f"| {r['seq']} | {r['impl']} | {r['step_bytes'] / 2**30:.2f} GiB | "
+                     f"{r['step_bytes'] / r['seq'] / 1024:.1f} KiB | {r['seconds']:.1f} | "
+                     f"{r['seq'] / r['seconds']:.0f} |")
+    lines += ["", "Per-token memory, largest over smallest minus one, per path: "
+              + ", ".join(f"{impl} {v:+.1%}" for impl, v in report["per_token_spread"].items()) + ".", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    if args.case:
+        seq, impl = args.case.split(":")
+        print(json.dumps(_case(int(seq), impl)))
+        return 0
+    report = run(args)
+    publish(report, render(report), args.out, "long-context")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
