@@ -7,8 +7,13 @@ One sample of T tokens through one training step (the TTT unroll of K steps, the
 step, whose memory does not depend on T) of an MLA drafter shaped like Kimi-K2.5's (q/k head 192 = 128 nope +
 64 rope, v 128, the served 512 + 64 latent) on a reduced width (2 heads, hidden 256, draft vocabulary 4096, a
 stored top-8 teacher) so that two CPU cores run T = 128K. Each case runs in its own process and reports the
-growth of its peak RSS (``ru_maxrss``) over the step, per token: memory linear in T keeps that figure flat. What
-a token costs at Kimi width is the GPU check's (benchmarks/gpu_check.py); the rows here say how it scales.
+growth of its peak RSS (``ru_maxrss``) over the step, per token: memory linear in T keeps that figure flat.
+
+``--kimi-width``: the arithmetic at Kimi-K2.5's full drafter shape (benchmarks/loader_throughput.py's DRAFTER:
+hidden 7168, 64 heads, MLP 18432, draft vocabulary 32000, TTT 7, bf16), measured on a short sample (T = 128) as
+the bytes autograd keeps for the backward per token (saved-tensor hooks, each storage once), with and without
+``activation_checkpointing``, beside the per-token inputs (aux states, dense teacher): what T tokens of one
+sample hold on a device besides the weights and optimizer state. The GPU check measures the peak at 4K-32K.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -76,11 +82,79 @@ def _case(seq: int, impl: str) -> dict:
             "step_bytes": peak - before, "seconds": seconds, "loss": float(out.loss)}
 
 
+def kimi_width_bytes(seq: int = 128) -> dict:
+    """Bytes kept for the backward per token by one training step at the Kimi drafter's shape, bf16 (CPU)."""
+    import torch
+
+    from benchmarks.loader_throughput import DRAFTER
+    from core.drafter.config import DrafterConfig
+    from core.drafter.kinds import build_drafter
+    from core.drafter.vocab import build_vocab_mapping
+    from core.teacher_targets import teacher_from_topk
+    from train.ttt import ttt_forward
+
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    drafter = build_drafter(DrafterConfig(**DRAFTER, torch_dtype="bfloat16")).to(torch.bfloat16)
+    vocab = DRAFTER["vocab_size"]
+    counts = torch.arange(vocab, 0, -1, dtype=torch.int64)
+    drafter.set_vocab_mapping(*build_vocab_mapping(counts, DRAFTER["draft_vocab_size"]))
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, DRAFTER["draft_vocab_size"], (1, seq), generator=g)
+    aux = torch.randn(1, seq, 3 * DRAFTER["target_hidden_size"], generator=g).to(torch.bfloat16)
+    ones = torch.ones(1, seq, dtype=torch.long)
+    top = torch.log_softmax(torch.randn(1, seq, 256, generator=g), -1).topk(64, dim=-1)
+    teacher = teacher_from_topk(ids[..., None].expand(1, seq, 64).contiguous(), top.values, drafter.t2d, drafter.d2t)
+    out: dict[str, Any] = {"seq": seq, "ttt_steps": 7, "dtype": "bf16",
+                           "aux_input_bytes_per_token": 3 * DRAFTER["target_hidden_size"] * 2,
+                           "dense_teacher_bytes_per_token": 2 * DRAFTER["draft_vocab_size"] * 4}
+    for recompute in (False, True):
+        kept: dict[int, int] = {}
+
+        def pack(t: torch.Tensor, kept: dict[int, int] = kept) -> torch.Tensor:
+            storage = t.untyped_storage()
+            kept[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        start = time.perf_counter()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            res = ttt_forward(drafter, input_ids=ids, aux_hidden=aux, attention_mask=ones, loss_mask=ones,
+                              teacher=teacher, steps=7, recompute=recompute)
+        res.loss.backward()
+        drafter.zero_grad(set_to_none=True)
+        params = {p.untyped_storage().data_ptr() for p in drafter.parameters()} | {
+            b.untyped_storage().data_ptr() for b in drafter.buffers()}
+        saved = sum(n for ptr, n in kept.items() if ptr not in params)  # weights are not activations
+        out["checkpointed" if recompute else "plain"] = {"saved_bytes_per_token": saved / seq,
+                                                         "seconds": time.perf_counter() - start}
+    return out
+
+
+def render_kimi(k: dict) -> str:
+    lines = [f"## At Kimi-K2.5's drafter width (hidden 7168, 64 MLA heads, MLP 18432, draft vocabulary 32000, TTT "
+             f"{k['ttt_steps']}, bf16)", "",
+             f"Kept for the backward, per token (saved-tensor hooks over one step of a {k['seq']}-token sample, each "
+             "storage once, weights left out), and what T tokens of one sample hold on that account:", "",
+             "| per token | bytes | T = 4K | T = 32K | T = 64K | T = 128K |", "|---|---:|---:|---:|---:|---:|"]
+    rows = [("activations kept, plain", k["plain"]["saved_bytes_per_token"]),
+            ("activations kept, activation_checkpointing", k["checkpointed"]["saved_bytes_per_token"]),
+            ("aux states in (bf16)", k["aux_input_bytes_per_token"]),
+            ("dense draft-vocabulary teacher (fp32 x 2)", k["dense_teacher_bytes_per_token"])]
+    for label, b in rows:
+        cells = " | ".join(f"{b * t / 2**30:.1f} GiB" for t in (4096, 32768, 65536, 131072))
+        lines.append(f"| {label} | {b / 1024:,.0f} KiB | {cells} |")
+    lines += ["", "Weights, gradients and AdamW state come on top (they do not depend on T); so do a step's "
+              "transient blocks (bounded: the eager kernel's score blocks, the loss head's chunks).", ""]
+    return "\n".join(lines)
+
+
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seqs", default=DEFAULT_SEQS, help="sequence lengths, comma-separated")
     p.add_argument("--impls", default="eager,sdpa", help="attention paths (eager, sdpa; flex trains on CUDA only)")
     p.add_argument("--out", default="", help="write long-context.json and long-context.md here")
+    p.add_argument("--kimi-width", action="store_true", help="also the per-token arithmetic at the Kimi drafter's "
+                   "full width (about 8 GB of memory and a few minutes on 2 cores)")
     p.add_argument("--case", default="", help=argparse.SUPPRESS)  # internal: seq:impl, run in a child
     args = p.parse_args(argv)
     try:
@@ -140,7 +214,11 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(_case(int(seq), impl)))
         return 0
     report = run(args)
-    publish(report, render(report), args.out, "long-context")
+    text = render(report)
+    if args.kimi_width:
+        report["kimi_width"] = kimi_width_bytes()
+        text += "\n" + render_kimi(report["kimi_width"])
+    publish(report, text, args.out, "long-context")
     return 0
 
 

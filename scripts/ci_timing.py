@@ -40,16 +40,18 @@ def read_tests(folder: Path) -> list[dict]:
 
 
 def read_lanes(folder: Path) -> list[dict]:
-    """The ``LANE SECONDS`` lines `.ci/run` appends, in order (lanes of the two streams overlap in time; the line
-    ``total`` is the run's wall time)."""
+    """The ``LANE SECONDS [FAILED]`` lines `.ci/run` appends, in order (lanes of the two streams overlap in time;
+    the line ``total`` is the run's wall time)."""
     path = folder / PHASES_NAME
     if not path.is_file():
         return []
     lanes = []
     for line in path.read_text().splitlines():
-        name, _, seconds = line.rpartition(" ")
-        if name and seconds.isdigit():
-            lanes.append({"lane": name, "seconds": int(seconds)})
+        words = line.split()
+        failed = words[-1:] == ["FAILED"]  # a lane that failed still has its seconds
+        words = words[:-1] if failed else words
+        if len(words) == 2 and words[1].isdigit():
+            lanes.append({"lane": words[0] + (" (failed)" if failed else ""), "seconds": int(words[1])})
     return lanes
 
 

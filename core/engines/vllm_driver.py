@@ -183,11 +183,17 @@ class Driver:
             kwargs["gpu_memory_utilization"] = float(settings["gpu_memory_utilization"])
         from vllm.platforms import current_platform
 
-        if current_platform.is_cpu() and not self.drafter:
+        capture_chunks = bool(settings.get("capture_layer_ids")) and not uses_mla(settings["target"])
+        if current_platform.is_cpu() and not self.drafter and not capture_chunks:
             # A prompt prefilled in pieces has the token sampled after a piece discarded, and vLLM 0.32's
             # CPU runner then rewinds the request's seeded generator, which CPU generators refuse ("CPU
             # Generator does not use offset"): every seeded sampled batch larger than one step's token
             # budget died. Whole-prompt prefill avoids the rewind; the budget must then hold a prompt.
+            # A capture engine keeps chunked prefill: its requests are greedy and unseeded, and every chunk's
+            # states land in the request's own cache slots (vLLM's extract_hidden_states writes each scheduled
+            # token's row), so a prompt longer than one step's budget is captured whole. Not an MLA target:
+            # vLLM turns chunked prefill off for MLA on a CPU without AMX, and a prompt longer than the step's
+            # budget: a kimi-k25-mini capture engine given 64-token steps made no progress in 6 minutes.
             kwargs["enable_chunked_prefill"] = False
             kwargs["max_num_batched_tokens"] = max(4096, int(settings["max_model_len"]))
         on_cpu = current_platform.is_cpu()

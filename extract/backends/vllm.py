@@ -134,7 +134,9 @@ class VLLMTarget(TargetBackend):
         self.capture_dir = Path(capture_dir or tempfile.mkdtemp(prefix="redraft-vllm-capture-"))
         self.capture_dir.mkdir(parents=True, exist_ok=True)
         settings = EngineSettings(
-            target=str(folder), dtype=dtype, max_model_len=self.max_length, kv_cache_bytes=int(kv_cache_bytes),
+            # a capture request also asks for one output token, and vLLM refuses a prompt of max_model_len tokens:
+            # one more position, so that a sample cut at exactly max_length is captured
+            target=str(folder), dtype=dtype, max_model_len=self.max_length + 1, kv_cache_bytes=int(kv_cache_bytes),
             gpu_memory_utilization=gpu_memory_utilization, capture_layer_ids=list(self.plan.engine_ids),
             capture_dir=str(self.capture_dir), capture_connector=connector, engine_args=engine_args or None)
         log.info("vLLM capture of %s: aux layers %s as engine ids %s (+ end layer %d for the teacher; final norm %s), "

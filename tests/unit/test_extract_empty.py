@@ -32,13 +32,15 @@ def test_an_input_with_no_record_is_refused(tmp_path, caplog):
 
 
 def test_a_max_length_beyond_the_targets_context_is_refused(tmp_path, caplog):
-    target = make_tiny_llama(tmp_path / "target", num_layers=4)  # max_position_embeddings 512
+    target = make_tiny_llama(tmp_path / "target", num_layers=4)
+    limit = json.loads((target / "config.json").read_text())["max_position_embeddings"]
     data = tmp_path / "chat.jsonl"
     data.write_text(json.dumps({"conversations": [{"role": "user", "content": "hi"},
                                                   {"role": "assistant", "content": "hello"}]}) + "\n")
     out = tmp_path / "ds"
-    assert extract_main(extract_args(target, data, out, max_length=513)) == 2
+    assert extract_main(extract_args(target, data, out, max_length=limit + 1)) == 2
     (line,) = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
-    assert "max_length=513 is beyond the target's context" in line and "max_position_embeddings=512" in line
+    assert f"max_length={limit + 1} is beyond the target's context" in line
+    assert f"max_position_embeddings={limit}" in line
     assert not out.exists()
-    assert extract_main(extract_args(target, data, out, max_length=512)) == 0  # the limit itself is served
+    assert extract_main(extract_args(target, data, out, max_length=limit)) == 0  # the limit itself is served

@@ -152,7 +152,7 @@ def test_target_info_llama(targets, folders):
     assert info.model_type == "llama"
     assert info.name == str(folders["llama"]) and info.path == str(folders["llama"].resolve())
     assert (info.hidden_size, info.num_layers, info.num_attention_heads, info.num_key_value_heads) == (64, 6, 4, 2)
-    assert (info.head_dim, info.intermediate_size, info.max_position_embeddings) == (16, 128, 512)
+    assert (info.head_dim, info.intermediate_size, info.max_position_embeddings) == (16, 128, 4096)
     assert info.vocab_size == len(targets["llama"].tokenizer)
     assert info.rms_norm_eps == pytest.approx(1e-5)
     assert info.rope["rope_theta"] == pytest.approx(10000.0)
