@@ -55,14 +55,16 @@ def _drafter(seq: int, impl: str):
     return drafter
 
 
-def _case(seq: int, impl: str) -> dict:
-    """One training step in this process: its peak RSS growth and seconds."""
+def _case(seq: int, path: str) -> dict:
+    """One training step in this process: its peak RSS growth and seconds. ``path``: an attention path, with
+    "+ckpt" for activation checkpointing of each TTT step."""
     import torch
 
     from core.teacher_targets import teacher_from_topk
     from train.ttt import ttt_forward
 
     torch.set_num_threads(2)
+    impl, _, ckpt = path.partition("+")
     drafter = _drafter(seq, impl)
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(0, VOCAB, (1, seq), generator=g)
@@ -74,11 +76,11 @@ def _case(seq: int, impl: str) -> dict:
     start = time.perf_counter()
     teacher = teacher_from_topk(topk_ids, topk_logprobs, drafter.t2d, drafter.d2t)
     out = ttt_forward(drafter, input_ids=ids, aux_hidden=aux, attention_mask=ones, loss_mask=ones, teacher=teacher,
-                      steps=STEPS)
+                      steps=STEPS, recompute=ckpt == "ckpt")
     out.loss.backward()
     seconds = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"seq": seq, "impl": impl, "rss_before_bytes": before, "peak_rss_bytes": peak,
+    return {"seq": seq, "impl": path, "rss_before_bytes": before, "peak_rss_bytes": peak,
             "step_bytes": peak - before, "seconds": seconds, "loss": float(out.loss)}
 
 
@@ -151,7 +153,8 @@ def render_kimi(k: dict) -> str:
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seqs", default=DEFAULT_SEQS, help="sequence lengths, comma-separated")
-    p.add_argument("--impls", default="eager,sdpa", help="attention paths (eager, sdpa; flex trains on CUDA only)")
+    p.add_argument("--impls", default="eager,sdpa", help="attention paths (eager, sdpa; flex trains on CUDA only), "
+                   "each optionally with +ckpt (activation_checkpointing), e.g. sdpa+ckpt")
     p.add_argument("--out", default="", help="write long-context.json and long-context.md here")
     p.add_argument("--kimi-width", action="store_true", help="also the per-token arithmetic at the Kimi drafter's "
                    "full width (about 8 GB of memory and a few minutes on 2 cores)")
@@ -162,8 +165,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     except ValueError:
         p.exit(2, f"long_context: --seqs {args.seqs!r}: comma-separated integers wanted\n")
     args.impl_list = args.impls.split(",")
-    if bad := [i for i in args.impl_list if i not in ("eager", "sdpa")]:
-        p.exit(2, f"long_context: --impls {','.join(bad)}: one of eager, sdpa (flex has no backward on a CPU)\n")
+    if bad := [i for i in args.impl_list if i not in ("eager", "sdpa", "eager+ckpt", "sdpa+ckpt")]:
+        p.exit(2, f"long_context: --impls {','.join(bad)}: eager or sdpa, optionally +ckpt (flex has no backward on "
+                  "a CPU)\n")
     return args
 
 
@@ -188,6 +192,9 @@ def run(args: argparse.Namespace) -> dict:
         by_impl.setdefault(r["impl"], []).append(r)
     spread = {impl: max(r["step_bytes"] / r["seq"] for r in rs) / min(r["step_bytes"] / r["seq"] for r in rs) - 1
               for impl, rs in by_impl.items()}
+    for rs in by_impl.values():  # what each further token cost, from the previous length: flat when linear
+        for a, b in zip(rs, rs[1:], strict=False):
+            b["marginal_bytes_per_token"] = (b["step_bytes"] - a["step_bytes"]) / (b["seq"] - a["seq"])
     return {"heads": HEADS, "hidden": HIDDEN, "draft_vocab": DRAFT_VOCAB, "topk": TOPK, "ttt_steps": STEPS,
             "threads": 2, "rows": rows, "per_token_spread": spread}
 
@@ -197,12 +204,17 @@ def render(report: dict) -> str:
              f"{report['hidden']}), K={report['ttt_steps']}", "",
              f"One sample, one step (forward, loss, backward), 2 CPU threads; draft vocabulary {report['draft_vocab']}, "
              f"stored top-{report['topk']} teacher. Step memory: the process's peak RSS growth over the step.", "",
-             "| T | path | step memory | per token | seconds | tokens/s |", "|---:|---|---:|---:|---:|---:|"]
-    for r in report["rows"]:
+             "| T | path | step memory | per token | per further token | seconds | tokens/s |",
+             "|---:|---|---:|---:|---:|---:|---:|"]
+    for r in sorted(report["rows"], key=lambda r: (r["impl"], r["seq"])):
+        marginal = (f"{r['marginal_bytes_per_token'] / 1024:.1f} KiB" if "marginal_bytes_per_token" in r else "")
         lines.append(f"| {r['seq']} | {r['impl']} | {r['step_bytes'] / 2**30:.2f} GiB | "
-                     f"{r['step_bytes'] / r['seq'] / 1024:.1f} KiB | {r['seconds']:.1f} | "
+                     f"{r['step_bytes'] / r['seq'] / 1024:.1f} KiB | {marginal} | {r['seconds']:.1f} | "
                      f"{r['seq'] / r['seconds']:.0f} |")
-    lines += ["", "Per-token memory, largest over smallest minus one, per path: "
+    lines += ["", "Path +ckpt: activation_checkpointing on. Per further token: the step memory's growth from the "
+              "previous length over the tokens added (flat when memory is linear in T; the per-token column also "
+              "carries the step's fixed part, which the shorter samples feel most).", "",
+              "Per-token memory, largest over smallest minus one, per path: "
               + ", ".join(f"{impl} {v:+.1%}" for impl, v in report["per_token_spread"].items()) + ".", ""]
     return "\n".join(lines)
 
