@@ -16,14 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.reporting import publish  # noqa: E402
+from benchmarks.reporting import child_case, publish  # noqa: E402
 
 HEADS, TOPK, STEPS, DRAFT_TOKENS = 64, 2, 3, 6
 
@@ -90,11 +89,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _child(seq: int, hidden: int, mode: str) -> dict:
-    cmd = [sys.executable, __file__, "--case", f"{seq}:{mode}", "--hidden", str(hidden)]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    if res.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{res.stderr[-3000:]}")
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    return child_case(__file__, "--case", f"{seq}:{mode}", "--hidden", str(hidden))
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.reporting import publish  # noqa: E402
+from benchmarks.reporting import child_case, publish  # noqa: E402
 
 HEADS, HIDDEN, DRAFT_VOCAB, VOCAB, TOPK, STEPS = 2, 256, 4096, 16384, 8, 3
 DEFAULT_SEQS = "4096,8192,16384,32768,65536,131072"
@@ -172,11 +171,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _child(seq: int, impl: str) -> dict:
-    cmd = [sys.executable, __file__, "--case", f"{seq}:{impl}"]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    if res.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{res.stderr[-3000:]}")
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    return child_case(__file__, "--case", f"{seq}:{impl}")
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -43,8 +43,10 @@ class TTTCache:
 
     keys: list[torch.Tensor] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
-    # sdpa: the step-0 keys and values with the joining key in front, built once per unroll (they do not change)
+    # sdpa: the step-0 keys and values with the joining key in front, built once per unroll (they do not change),
+    # and the attention mask whose right padding was checked (one host sync per unroll, not per step)
     sdpa_step0: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    sdpa_checked_mask: Any = field(default=None, repr=False)
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -284,9 +286,11 @@ def _sdpa_attention(
     """
     bsz, nkv, groups, seq, hd = q.shape
     scale = default_scale(hd) if scale is None else float(scale)
-    if attention_mask is not None and bool((attention_mask[:, 1:] > attention_mask[:, :-1]).any()):
-        raise ValueError("attention_impl 'sdpa' reads key padding as right padding; this batch's attention_mask "
-                         "has a real token after a padded one (use eager)")
+    if attention_mask is not None and cache.sdpa_checked_mask is not attention_mask:
+        if bool((attention_mask[:, 1:] > attention_mask[:, :-1]).any()):
+            raise ValueError("attention_impl 'sdpa' reads key padding as right padding; this batch's attention_mask "
+                             "has a real token after a padded one (use eager)")
+        cache.sdpa_checked_mask = attention_mask
     n_diag = len(cache.keys) - 1
     hv = cache.values[0].shape[-1]
     if n_diag == 0:

@@ -139,3 +139,13 @@ def test_activation_checkpointing_per_ttt_step_changes_no_gradient_and_keeps_les
     for name, g in grads.items():
         torch.testing.assert_close(grads_r[name], g, atol=1e-6, rtol=1e-5, msg=name)
     assert kept_r < 0.6 * kept_all, (kept_r, kept_all)
+
+
+def test_sdpa_refuses_a_mask_with_a_hole():
+    """sdpa reads key padding as right padding (no mask tensor); a real token after a padded one is refused by
+    name rather than attended wrongly."""
+    q = torch.randn(1, 1, 1, 4, 8)
+    cache = ttt_attention.TTTCache(keys=[torch.randn(1, 1, 4, 8)], values=[torch.randn(1, 1, 4, 8)])
+    with pytest.raises(ValueError, match="right padding"):
+        ttt_attention._sdpa_attention(q, cache, torch.tensor([[1, 0, 1, 1]]))
+    assert ttt_attention._sdpa_attention(q, cache, torch.tensor([[1, 1, 0, 0]])).shape == (1, 1, 1, 4, 8)
