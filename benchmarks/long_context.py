@@ -87,19 +87,13 @@ def kimi_width_bytes(seq: int = 128) -> dict:
     """Bytes kept for the backward per token by one training step at the Kimi drafter's shape, bf16 (CPU)."""
     import torch
 
+    from benchmarks.gpu_check import _drafter as kimi_drafter
     from benchmarks.loader_throughput import DRAFTER
-    from core.drafter.config import DrafterConfig
-    from core.drafter.kinds import build_drafter
-    from core.drafter.vocab import build_vocab_mapping
     from core.teacher_targets import teacher_from_topk
     from train.ttt import ttt_forward
 
     torch.set_num_threads(2)
-    torch.manual_seed(0)
-    drafter = build_drafter(DrafterConfig(**DRAFTER, torch_dtype="bfloat16")).to(torch.bfloat16)
-    vocab = DRAFTER["vocab_size"]
-    counts = torch.arange(vocab, 0, -1, dtype=torch.int64)
-    drafter.set_vocab_mapping(*build_vocab_mapping(counts, DRAFTER["draft_vocab_size"]))
+    drafter = kimi_drafter(DRAFTER, torch.device("cpu"), torch.bfloat16)  # the GPU check's drafter, on the CPU
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(0, DRAFTER["draft_vocab_size"], (1, seq), generator=g)
     aux = torch.randn(1, seq, 3 * DRAFTER["target_hidden_size"], generator=g).to(torch.bfloat16)
