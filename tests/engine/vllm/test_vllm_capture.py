@@ -47,11 +47,7 @@ def captured(request):
     ours = hf.capture(seqs, TEACHER)
     # max_length = the longest sequence: a sample cut at exactly max_length is captured (vLLM refuses a prompt of
     # max_model_len tokens: the backend asks for one position more)
-    # and SmolLM2 in steps of 64 tokens: every longer prompt is prefilled in chunks, whose states must all land
-    # (vLLM prefills an MLA target such as kimi-k25-mini whole on a CPU without AMX)
-    chunked = {} if request.param == "kimi-k25-mini" else {"max_num_batched_tokens": 64, "max_num_seqs": 16}
-    engine = VLLMTarget(str(path), python=py, max_length=max(len(s) for s in seqs), kv_cache_bytes=1 << 29,
-                        engine_args=chunked or None)
+    engine = VLLMTarget(str(path), python=py, max_length=max(len(s) for s in seqs), kv_cache_bytes=1 << 29)
     try:
         theirs = engine.capture(seqs, TEACHER)
         again = engine.capture(seqs[:2], TEACHER)  # a second batch through the same engine
