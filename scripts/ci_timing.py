@@ -33,9 +33,10 @@ def read_tests(folder: Path) -> list[dict]:
                     outcome = kind
             module = case.get("classname", "").split(".")
             file = "/".join(p for p in module if p.startswith("test_") or p in ("unit", "stage", "engine", "campaign"))
+            last = next((i for i, p in enumerate(module) if p.startswith("test_")), len(module) - 1)
             tests.append({"lane": xml.stem, "id": f"{case.get('classname')}::{case.get('name')}",
                           "file": file or case.get("classname", ""), "seconds": float(case.get("time", 0.0)),
-                          "outcome": outcome})
+                          "outcome": outcome, "path": "/".join(module[: last + 1]) + ".py"})
     return tests
 
 
@@ -64,11 +65,20 @@ def summarise(tests: list[dict], lanes: list[dict], top: int) -> dict:
     return {
         "lanes": lanes,
         "test_lanes": {lane: {"tests": len(s), "test_seconds": round(sum(s), 1)} for lane, s in per_lane.items()},
-        "slowest_tests": [{k: (round(v, 1) if k == "seconds" else v) for k, v in t.items()}
+        "slowest_tests": [{k: (round(v, 1) if k == "seconds" else v) for k, v in t.items() if k != "path"}
                           for t in sorted(tests, key=lambda t: -t["seconds"])[:top]],
         "slowest_files": [{"lane": lane, "file": f, "seconds": round(s, 1)}
                           for (lane, f), s in sorted(per_file.items(), key=lambda kv: -kv[1])[:top]],
     }
+
+
+def file_durations(tests: list[dict]) -> dict[str, float]:
+    """Seconds per test file (its tests' junit times summed), keyed by its path from the repository root: the
+    order tests/conftest.py hands files to the xdist workers in (longest first within a tier)."""
+    per_path: dict[str, float] = defaultdict(float)
+    for t in tests:
+        per_path[t["path"]] += t["seconds"]
+    return {path: round(s, 1) for path, s in sorted(per_path.items())}
 
 
 def markdown(report: dict) -> str:
@@ -94,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=50, help="how many tests and files to list (default 50)")
     parser.add_argument("--json", type=Path, help="write the report as JSON here")
     parser.add_argument("--markdown", type=Path, help="write the tables as markdown here")
+    parser.add_argument("--durations", type=Path,
+                        help="update seconds per test file here (tests/durations.json: the suite's file order); the "
+                             "files this run did not time keep their entries")
     args = parser.parse_args(argv)
     if not args.folder.is_dir():
         print(f"ci_timing: {args.folder}: not a folder", file=sys.stderr)
@@ -109,6 +122,10 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
     if args.markdown:
         args.markdown.write_text(text)
+    if args.durations:
+        kept = json.loads(args.durations.read_text()) if args.durations.is_file() else {}
+        merged = {**kept, **file_durations(tests)}
+        args.durations.write_text(json.dumps(dict(sorted(merged.items())), indent=1) + "\n")
     return 0
 
 

@@ -1,5 +1,6 @@
 """Test-wide settings: no hub, no wandb network, CPU DeepSpeed, thread pools sized to the workers, tiers in order."""
 
+import json
 import os
 import subprocess
 import sys
@@ -33,16 +34,22 @@ torch.set_num_threads(1)
 pytest_plugins = ("helpers_kimi",)
 
 # The order xdist hands files out in (collection order): the stage tier first (it runs while `make test` builds the
-# vLLM CPU venv in the background), then the engine tier, the heaviest files, so that no worker is left with a
-# many-minute file while the other has finished; then the files that need kimi-k25-mini (marked uses_kimi_mini), by
-# when its background build is done; the unit tier last.
+# vLLM CPU venv in the background), then the engine tier, then the files that need kimi-k25-mini (marked
+# uses_kimi_mini), by when its background build is done; the unit tier last. Within a tier, the longest files first
+# (tests/durations.json, seconds per file from the last timed run: `scripts/ci_timing.py --durations`; a new file
+# counts 0), so that no worker is left with a many-minute file while the other has finished: at 0928633 the two
+# workers' sums were 674 s and 813 s in the plain order, 744 s each in this one.
 TIER_ORDER = ("stage", "engine", "campaign", "unit")
+DURATIONS = json.loads((ROOT / "tests" / "durations.json").read_text())
 
 
-def _order(item) -> float:
-    parts = Path(item.path).resolve().relative_to(ROOT / "tests").parts
+def _order(item) -> tuple[float, float]:
+    path = Path(item.path).resolve().relative_to(ROOT)
+    parts = path.relative_to("tests").parts
     tier = TIER_ORDER.index(parts[0]) if parts and parts[0] in TIER_ORDER else len(TIER_ORDER)
-    return TIER_ORDER.index("engine") + 0.5 if item.get_closest_marker("uses_kimi_mini") else tier
+    if item.get_closest_marker("uses_kimi_mini"):
+        tier = TIER_ORDER.index("engine") + 0.5
+    return tier, -DURATIONS.get(path.as_posix(), 0.0)
 
 
 def pytest_collection_modifyitems(session, config, items):
