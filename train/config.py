@@ -149,6 +149,10 @@ class TrainConfig:
     activation_checkpointing: bool = _drafter(
         False, "recompute each TTT step's activations in the backward instead of keeping them: a step keeps only its "
         "input state and its keys/values (long samples: far less memory per token, about one more forward)")
+    sequence_parallel: int = _drafter(
+        1, "ranks that share each sample along its length (Ulysses: T / N rows per rank, attention split by kv head "
+        "between two all-to-alls); must divide the number of processes and the drafter's kv heads; tokens_per_batch "
+        "is then the group's micro-batch")
     hidden_size: int | None = _drafter(None, "drafter hidden size (default: the target's)")
     num_attention_heads: int | None = _drafter(None, "drafter attention heads (default: the target's)")
     num_key_value_heads: int | None = _drafter(None, "drafter KV heads (default: the target's)")
@@ -198,7 +202,7 @@ class TrainConfig:
         if self.stream:
             self.data_order = "stream"
         positive = ("grad_accum", "ttt_steps", "draft_vocab_size", "log_every", "mega_batch_samples",
-                    "stream_group_shards")
+                    "stream_group_shards", "sequence_parallel")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -211,6 +215,9 @@ class TrainConfig:
             raise ConfigError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
         if not 0.0 <= self.warmup_ratio < 1.0:
             raise ConfigError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if self.sequence_parallel > 1 and self.stream:
+            raise ConfigError(f"sequence_parallel={self.sequence_parallel} trains a finished dataset; --stream is not "
+                              "supported with it (extract first, or train the stream with sequence_parallel 1)")
         self._check_drafter_attention()
         self._check_drafter_method()
         if self.resume not in ("none", "auto") and not Path(self.resume).is_dir():
@@ -245,6 +252,9 @@ class TrainConfig:
         if self.dflash_layers is not None and self.drafter_method != "dflash":
             raise ConfigError(f"dflash_layers={self.dflash_layers} is a dflash setting but drafter_method is "
                               f"{self.drafter_method}; set drafter_method: dflash, or drop the key")
+        if self.sequence_parallel > 1 and self.drafter_method == "dflash":
+            raise ConfigError(f"sequence_parallel={self.sequence_parallel}: dflash drafts a block per row from the rows "
+                              "around it and trains on one rank per sample; use sequence_parallel 1")
         if self.dflash_layers is not None and self.dflash_layers < 1:
             raise ConfigError(f"dflash_layers must be >= 1, got {self.dflash_layers}")
         if self.drafter_method == "dflash" and self.drafter_attention != "gqa":

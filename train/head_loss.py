@@ -211,6 +211,7 @@ def head_loss(
     targets: HeadTargets,
     decay: float,
     chunk_rows: int | None = None,
+    denominators: torch.Tensor | None = None,
 ) -> HeadLossOutput:
     """Loss and metrics of ``logits_k = normed[k] @ weight.T`` for TTT steps k = 0..K-1.
 
@@ -219,7 +220,9 @@ def head_loss(
     the rows in step k's metrics; ``in_loss`` [K, B*T] bool: those also in its loss (a subset).
     loss_k = sum of soft-CE over the loss rows / max(their number, 1); the total is sum_k decay^k
     loss_k. The gradient reaches ``weight`` and every ``normed[k]`` that requires one.
-    ``chunk_rows``: rows whose logits exist at once (default: default_chunk_rows(Vd)).
+    ``chunk_rows``: rows whose logits exist at once (default: default_chunk_rows(Vd)). ``denominators`` [K]:
+    each step's loss divisor when it is not this call's own count of loss rows (a sequence-parallel rank
+    divides its rows' sum by the group's count).
     """
     steps = len(normed)
     if tuple(counted.shape) != (steps, targets.target_ids.numel()) or in_loss.shape != counted.shape:
@@ -231,6 +234,6 @@ def head_loss(
     plan = {"targets": targets, "counted": counted, "in_loss": in_loss, "need_grad": need_grad,
             "dtype": _compute_dtype(weight), "chunk_rows": chunk_rows or default_chunk_rows(weight.shape[0]),
             "decays": [decay**k for k in range(steps)],
-            "denominators": in_loss.sum(1).to(torch.float32).clamp(min=1)}
+            "denominators": in_loss.sum(1).to(torch.float32).clamp(min=1) if denominators is None else denominators}
     total, step_loss, correct, accept = _HeadLoss.apply(weight, plan, *normed)
     return HeadLossOutput(loss=total, step_loss=step_loss, step_correct=correct, step_accept_sum=accept)

@@ -32,8 +32,8 @@ if __package__ in (None, ""):  # run as a script path: make the repo root import
 
 import torch  # noqa: E402
 
-from train.checkpoint import ResumePoint, output_lock  # noqa: E402
-from train.config import TrainConfig, parse_cli  # noqa: E402
+from train.checkpoint import ResumePoint, output_lock, read_trainer_state  # noqa: E402
+from train.config import ConfigError, TrainConfig, parse_cli  # noqa: E402
 from train.data import SamplerState, TrainData  # noqa: E402
 
 log = logging.getLogger("redraft.train")
@@ -153,8 +153,21 @@ def plan_resume(cfg: TrainConfig) -> tuple[TrainConfig, ResumePoint | None]:
         if cfg.resume == "auto":
             log.info("resume=auto: no checkpoint under %s, starting fresh", cfg.out)
         return cfg, None
-    point = resume_point(folder, int(os.environ.get("WORLD_SIZE", "1")), cfg.grad_accum)
+    saved_sp = int(read_trainer_state(folder).get("sequence_parallel", 1))
+    if saved_sp != cfg.sequence_parallel:
+        raise ConfigError(f"{folder}: saved with sequence_parallel={saved_sp}, this run asks {cfg.sequence_parallel}; "
+                          f"resume with sequence_parallel {saved_sp} (the number of processes may differ)")
+    point = resume_point(folder, data_world(cfg, int(os.environ.get("WORLD_SIZE", "1"))), cfg.grad_accum)
     return replace(cfg, grad_accum=point.grad_accum), point
+
+
+def data_world(cfg: TrainConfig, world: int) -> int:
+    """Data-parallel ranks: the processes over ``sequence_parallel`` (each group of that many trains one
+    micro-batch together)."""
+    if world % cfg.sequence_parallel:
+        raise ConfigError(f"sequence_parallel={cfg.sequence_parallel} does not divide the {world} process(es) of this "
+                          "launch")
+    return world // cfg.sequence_parallel
 
 
 def run_record(cfg: TrainConfig, data: TrainData, warm_info: dict[str, Any] | None) -> dict[str, Any]:
@@ -189,7 +202,8 @@ class Trainer:
         self.cfg, self.accelerator, self.data = cfg, accelerator, data
         self.model, self.optimizer, self.scheduler, self.record = model, optimizer, scheduler, record
         self.unwrapped = accelerator.unwrap_model(model)
-        self.world = accelerator.num_processes
+        self.sp_size = cfg.sequence_parallel
+        self.world = data_world(cfg, accelerator.num_processes)  # data-parallel ranks: one micro-batch each
         self.in_dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
         self.step, self.tokens_seen, self.last_saved = 0, 0, -1
         self.state = SamplerState()
@@ -244,16 +258,17 @@ class Trainer:
     def train_step(self, batch: Any) -> bool:
         """Forward, backward and (at a gradient-sync micro-batch) the optimizer step; True when it stepped."""
         acc, cfg = self.accelerator, self.cfg
-        self.state.position += self.world  # every rank trains one micro-batch of the global list
+        self.state.position += self.world  # every data-parallel rank trains one micro-batch of the global list
         with acc.accumulate(self.model):
-            out = self.model(batch.to(acc.device, self.in_dtype))
-            acc.backward(out.loss)
+            out = self.model(self.unwrapped.shard(batch).to(acc.device, self.in_dtype))
+            # the gradient is a mean over every process; a sequence-parallel group's is the sum of its ranks' shares
+            acc.backward(out.loss * self.sp_size if self.sp_size > 1 else out.loss)
             if acc.sync_gradients:
                 norm = acc.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
                 self.grad_norm = norm.detach() if isinstance(norm, torch.Tensor) else norm
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        self.stats.add(out, batch.num_tokens, int(batch.loss_mask.sum()))
+        self.stats.add(out, batch.num_tokens, int(batch.loss_mask.sum()), share=1 / self.sp_size)
         self.tokens_seen += batch.num_tokens
         if self.ids_log is not None:
             self.ids_log.write(json.dumps({"epoch": self.state.epoch, "position": self.state.position,
@@ -276,8 +291,8 @@ class Trainer:
         self.model.eval()
         with torch.no_grad():
             for batch in self.data.loader(batches):
-                stats.add(self.model(batch.to(self.accelerator.device, self.in_dtype)), batch.num_tokens,
-                          int(batch.loss_mask.sum()))
+                out = self.model(self.unwrapped.shard(batch).to(self.accelerator.device, self.in_dtype))
+                stats.add(out, batch.num_tokens, int(batch.loss_mask.sum()), share=1 / self.sp_size)
         self.model.train()
         return stats.summary(self.accelerator)
 
@@ -285,7 +300,7 @@ class Trainer:
         from train.checkpoint import ORDER_RULE, save_checkpoint
 
         trainer_state = {"step": self.step, "epoch": self.state.epoch, "position": self.state.position,
-                         "order_rule": ORDER_RULE, "world_size": self.world,
+                         "order_rule": ORDER_RULE, "world_size": self.world, "sequence_parallel": self.sp_size,
                          "micro_batches_per_step": self.world * self.cfg.grad_accum,
                          "tokens_seen": self.tokens_seen, "total_steps": self.data.total_steps,
                          "scheduler": self.scheduler.state_dict(), "data": self.data.state_dict()}
@@ -388,6 +403,7 @@ class Trainer:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     cfg = parse_cli(list(sys.argv[1:] if argv is None else argv))
     check_data(cfg)  # a bad --data is refused before OUT is created
+    data_world(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # and a sequence_parallel the launch cannot split
     with output_lock(cfg.out, main_process=int(os.environ.get("RANK", "0")) == 0):
         return _train(cfg)
 
@@ -407,6 +423,7 @@ def check_data(cfg: TrainConfig) -> None:
 def _train(cfg: TrainConfig) -> dict[str, Any]:
     from accelerate.utils import set_seed
 
+    from core.drafter.sequence_parallel import sequence_groups
     from train.data import build_data
     from train.drafter_setup import build_drafter, read_lm_head
     from train.ttt import TTTModel
@@ -418,11 +435,15 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
              accelerator.distributed_type, accelerator.device)
     set_seed(cfg.seed)
 
-    data = build_data(cfg, accelerator.process_index, accelerator.num_processes, accelerator, point)
+    dp_world = data_world(cfg, accelerator.num_processes)
+    data = build_data(cfg, accelerator.process_index // cfg.sequence_parallel, dp_world, accelerator, point)
     built = build_drafter(cfg, data.reader, None if point is None else point.folder)
+    # this rank's group (None without one); TTTModel refuses kv heads it does not divide
+    sp = sequence_groups(accelerator.num_processes, cfg.sequence_parallel, accelerator.process_index)
     lm_head = read_lm_head(built, accelerator.device) if data.teacher == "last_hidden" else None
     model = TTTModel(built.drafter, steps=cfg.ttt_steps, decay=cfg.ttt_decay, teacher=data.teacher, lm_head=lm_head,
-                     teacher_chunk_tokens=cfg.teacher_chunk_tokens, recompute=cfg.activation_checkpointing)
+                     teacher_chunk_tokens=cfg.teacher_chunk_tokens, recompute=cfg.activation_checkpointing,
+                     sequence_parallel=sp)
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log.info("drafter: %s, %.2fM trainable parameters", built.drafter.config, n_train / 1e6)
 

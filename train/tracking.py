@@ -48,18 +48,20 @@ class StepStats:
         k = self.steps
         self.buf = torch.zeros(2 + 5 * k + 2, dtype=torch.float64, device=self.device)
 
-    def add(self, out: Any, num_tokens: int, num_loss_tokens: int) -> None:
+    def add(self, out: Any, num_tokens: int, num_loss_tokens: int, share: float = 1.0) -> None:
+        """``share``: this rank's part of the micro-batch (1 / sequence_parallel: the group's ranks each hold a share of
+        one micro-batch, whose loss and step sums are already split between them, so its counts are split too)."""
         k = self.steps
         b = self.buf
         b[0] += out.loss.detach().double()
-        b[1] += 1
+        b[1] += share
         b[2 : 2 + k] += out.step_loss.double()
         b[2 + k : 2 + 2 * k] += out.step_counts.double()
         b[2 + 2 * k : 2 + 3 * k] += out.step_correct.double()
         b[2 + 3 * k : 2 + 4 * k] += out.step_acc_counts.double()
         b[2 + 4 * k : 2 + 5 * k] += out.step_accept_sum.double()
-        b[-2] += num_tokens
-        b[-1] += num_loss_tokens
+        b[-2] += num_tokens * share
+        b[-1] += num_loss_tokens * share
 
     def summary(self, accelerator: Any) -> dict[str, Any]:
         """Global metrics (every rank must call this: it is a collective when world > 1)."""
@@ -76,9 +78,9 @@ class StepStats:
             "acc": acc,
             "accept": accept,
             "tau": simulated_acceptance_length(acc),
-            "tokens": int(b[-2]),
-            "loss_tokens": int(b[-1]),
-            "micro_batches": int(b[1]),
+            "tokens": round(float(b[-2])),
+            "loss_tokens": round(float(b[-1])),
+            "micro_batches": round(float(b[1])),
         }
 
 

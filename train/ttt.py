@@ -47,12 +47,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from core.alignment import step_counted, step_rows
 from core.dataset.batch import Batch
 from core.drafter.modeling import DrafterBase
+from core.drafter.sequence_parallel import SequenceParallel
 from core.drafter.ttt_attention import TTTCache
 from core.teacher_targets import TeacherTargets, teacher_from_last_hidden, teacher_from_topk
 from train.head_loss import HeadTargets, head_loss, soft_ce_rows
@@ -117,16 +119,18 @@ def soft_cross_entropy(
     return _SoftCrossEntropyWithSoftmax.apply(logits, target_p, p_mass)
 
 
-def _check_shapes(input_ids, aux_hidden, attention_mask, loss_mask, teacher, position_ids) -> None:
+def _check_shapes(input_ids, aux_hidden, attention_mask, loss_mask, teacher, position_ids, rows, width) -> None:
+    """[B, T] for ids, masks and positions; [B, rows] for aux_hidden and [B, width] for the teacher (T and T, or
+    a sequence-parallel rank's rows and rows plus the halo)."""
     if input_ids.dim() != 2:
         raise ValueError(f"ttt_forward: input_ids must be [B, T], got {tuple(input_ids.shape)}")
-    bt = tuple(input_ids.shape)
-    named = {"aux_hidden": aux_hidden, "loss_mask": loss_mask, "attention_mask": attention_mask,
-             "position_ids": position_ids, "teacher.target_p": teacher.target_p,
-             "teacher.target_ids": teacher.target_ids, "teacher.p_on_draft": teacher.p_on_draft}
-    for name, t in named.items():
-        if t is not None and tuple(t.shape[:2]) != bt:
-            raise ValueError(f"ttt_forward: {name} has shape {tuple(t.shape)}, expected leading dims {bt}")
+    bsz, seq = input_ids.shape
+    named = {"aux_hidden": (aux_hidden, rows), "loss_mask": (loss_mask, seq), "attention_mask": (attention_mask, seq),
+             "position_ids": (position_ids, seq), "teacher.target_p": (teacher.target_p, width),
+             "teacher.target_ids": (teacher.target_ids, width), "teacher.p_on_draft": (teacher.p_on_draft, width)}
+    for name, (t, length) in named.items():
+        if t is not None and tuple(t.shape[:2]) != (bsz, length):
+            raise ValueError(f"ttt_forward: {name} has shape {tuple(t.shape)}, expected leading dims {(bsz, length)}")
 
 
 def ttt_forward(
@@ -143,17 +147,30 @@ def ttt_forward(
     return_logits: bool = False,
     head_chunk_rows: int | None = None,
     recompute: bool = False,
+    sequence_parallel: SequenceParallel | None = None,
 ) -> TTTOutput:
     """Unroll ``steps`` drafter steps over every position at once and return loss and metrics.
 
     ``return_logits``: also return every step's logits at every position (detached; computed apart
     from the loss, for checks). ``head_chunk_rows``: rows per chunk of the loss head (default: ~64 MB
     of fp32 logits, train.head_loss.default_chunk_rows).
+
+    ``sequence_parallel``: this rank drafts rows [start, stop) = ``sequence_parallel.bounds(T)`` of the group's
+    batch (Batch.sequence_shard): ids, masks and positions are whole [B, T], ``aux_hidden`` holds those rows and
+    the teacher those rows plus the next ``steps`` (the rows they are scored against). The loss and the step
+    sums are this rank's share (each step's loss over the group's counted rows), so the group's loss and
+    gradients are sums over its ranks.
     """
     if steps < 1:
         raise ValueError(f"ttt_forward: steps must be >= 1, got {steps}")
-    _check_shapes(input_ids, aux_hidden, attention_mask, loss_mask, teacher, position_ids)
     bsz, seq = input_ids.shape
+    sp = sequence_parallel
+    start, stop = (0, seq) if sp is None else sp.bounds(seq)
+    width = seq if sp is None else stop - start + steps
+    _check_shapes(input_ids, aux_hidden, attention_mask, loss_mask, teacher, position_ids, stop - start, width)
+    if sp is not None and drafter.config.block:
+        raise ValueError("ttt_forward: sequence parallelism trains EAGLE-kind drafters (DFlash drafts a block per "
+                         "row from the rows around it)")
     device = input_ids.device
     real = (torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None
             else attention_mask.to(torch.bool))
@@ -165,21 +182,24 @@ def ttt_forward(
     target_ids = teacher.target_ids.to(torch.int64)
     in_draft = t2d[target_ids.clamp(0, t2d.numel() - 1)] & (target_ids >= 0) & (target_ids < t2d.numel())
 
-    normed = _step_states(drafter, ids, aux_hidden, attention_mask, position_ids, steps, recompute)
+    normed = _step_states(drafter, ids, aux_hidden, attention_mask, position_ids, steps, recompute, (start, stop))
     all_logits: list[torch.Tensor] = []
     if return_logits:
         with torch.no_grad():
             all_logits = [drafter.lm_head(x).detach() for x in normed]
+    if width > stop - start:  # the halo rows: teacher rows only, never drafted from
+        normed = [F.pad(x, (0, 0, 0, width - (stop - start))) for x in normed]
 
     # Rows per step (core.alignment): position t counts iff token t+2+k is a real assistant token
     # (so t < T-2-k); it is in the loss iff teacher row t+1+k's argmax is a draft token as well.
-    count = torch.zeros((steps, bsz, seq), dtype=torch.bool, device=device)
-    in_loss = torch.zeros((steps, bsz, seq), dtype=torch.bool, device=device)
+    count = torch.zeros((steps, bsz, width), dtype=torch.bool, device=device)
+    in_loss = torch.zeros((steps, bsz, width), dtype=torch.bool, device=device)
     for k in range(steps):
-        count[k] = step_counted(counted_tok, k)
+        count[k, :, : stop - start] = step_counted(counted_tok, k)[:, start:stop]
         in_loss[k] = count[k] & step_rows(in_draft, k, False)
     n_loss = in_loss.sum((1, 2))  # [K]
     n_acc = count.sum((1, 2))  # [K]
+    denominators = None if sp is None else sp.all_reduce_sum(n_loss).to(torch.float32).clamp(min=1)
     vd = teacher.target_p.shape[-1]
     targets = HeadTargets(
         target_p=teacher.target_p.reshape(-1, vd),
@@ -189,7 +209,7 @@ def ttt_forward(
         d2t=drafter.d2t,
     )
     head = head_loss(drafter.lm_head.weight, normed, count.view(steps, -1), in_loss.view(steps, -1), targets, decay,
-                     chunk_rows=head_chunk_rows)
+                     chunk_rows=head_chunk_rows, denominators=denominators)
     f32 = torch.float32
     return TTTOutput(
         loss=head.loss,
@@ -206,18 +226,21 @@ def ttt_forward(
 
 def _step_states(
     drafter: DrafterBase, ids: torch.Tensor, aux_hidden: torch.Tensor, attention_mask: torch.Tensor | None,
-    position_ids: torch.Tensor, steps: int, recompute: bool = False,
+    position_ids: torch.Tensor, steps: int, recompute: bool = False, rows: tuple[int, int] | None = None,
 ) -> list[torch.Tensor]:
     """The tensor lm_head reads, [B, T, H], for each of ``steps`` draft steps at every row: the EAGLE unroll, or
     DFlash's blocks (one pass, every row's block at once). ``recompute``: each EAGLE step's activations are
-    recomputed in the backward (activation checkpointing); only its input state and keys/values are kept."""
+    recomputed in the backward (activation checkpointing); only its input state and keys/values are kept.
+    ``rows``: the rows [start, stop) this rank drafts from (sequence parallel; ids and positions are whole)."""
     if drafter.config.block:
         return drafter.block_states(ids, aux_hidden, attention_mask, steps)
+    start, stop = rows or (0, ids.shape[1])
+    position_ids = position_ids[:, start:stop]
     cache = TTTCache()
     hidden = drafter.project(aux_hidden)
     normed: list[torch.Tensor] = []
     for k in range(steps):
-        tokens, hidden = drafter.step_inputs(k, step_rows(ids, k), hidden)  # P-EAGLE: its placeholder slot
+        tokens, hidden = drafter.step_inputs(k, step_rows(ids, k)[:, start:stop], hidden)  # P-EAGLE: its placeholder
         if recompute and torch.is_grad_enabled():
             hidden, key, value = checkpoint(_checkpointed_step, drafter, tokens, hidden, position_ids + k,
                                             attention_mask, len(cache), *cache.keys, *cache.values,
@@ -261,6 +284,7 @@ class TTTModel(nn.Module):
         lm_head: torch.Tensor | None = None,
         teacher_chunk_tokens: int = 1024,
         recompute: bool = False,
+        sequence_parallel: SequenceParallel | None = None,
     ) -> None:
         super().__init__()
         if teacher not in ("topk", "last_hidden"):
@@ -274,6 +298,15 @@ class TTTModel(nn.Module):
         self.lm_head = lm_head
         self.teacher_chunk_tokens = teacher_chunk_tokens
         self.recompute = recompute
+        self.sequence_parallel = sequence_parallel
+        if sequence_parallel is not None:
+            drafter.set_sequence_parallel(sequence_parallel)
+
+    def shard(self, batch: Batch) -> Batch:
+        """This rank's share of a sequence-parallel group's batch (the whole batch without sequence parallelism);
+        on the host, before the batch moves to the device."""
+        sp = self.sequence_parallel
+        return batch if sp is None else batch.sequence_shard(sp.rank, sp.size, halo=self.steps)
 
     @torch.no_grad()
     def teacher_targets(self, batch: Batch) -> TeacherTargets:
@@ -289,6 +322,9 @@ class TTTModel(nn.Module):
             return teacher_from_last_hidden(batch.last_hidden, self.lm_head, t2d, self.teacher_chunk_tokens)
 
     def forward(self, batch: Batch) -> TTTOutput:
+        if (batch.shard is None) != (self.sequence_parallel is None):
+            raise ValueError("TTTModel: a sequence-parallel model takes its rank's shard of a batch (TTTModel.shard), "
+                             "and only then")
         return ttt_forward(
             self.drafter,
             input_ids=batch.input_ids,
@@ -299,4 +335,5 @@ class TTTModel(nn.Module):
             steps=self.steps,
             decay=self.decay,
             recompute=self.recompute,
+            sequence_parallel=self.sequence_parallel,
         )

@@ -6,7 +6,7 @@ shift them themselves), right-padded to the longest sample, padding with masks 0
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -24,6 +24,9 @@ class Batch:
     topk_logprobs: torch.Tensor | None  # float32 [B, T, K]
     last_hidden: torch.Tensor | None  # float [B, T, H]
     sample_ids: list[str]
+    # rows [start, stop) that aux_hidden holds when this is one rank's share of a sequence-parallel batch
+    # (Batch.sequence_shard); None: every row
+    shard: tuple[int, int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -41,6 +44,48 @@ class Batch:
                     v = v.to(device=device, non_blocking=True)
             out[f.name] = v
         return Batch(**out)
+
+    def sequence_shard(self, rank: int, size: int, halo: int) -> Batch:
+        """Rank ``rank`` of ``size``'s share for sequence-parallel training (:func:`sequence_shard`)."""
+        return sequence_shard(self, rank, size, halo)
+
+
+# Which [B, T, ...] fields a sequence-parallel rank keeps whole, for its rows, or for its rows plus the halo
+# (Batch and core.dataset.stored.StoredBatch name them alike)
+WHOLE_FIELDS = ("input_ids", "attention_mask", "loss_mask")
+ROW_FIELDS = ("aux_hidden", "aux_scale")
+HALO_FIELDS = ("topk_ids", "topk_logprobs", "last_hidden", "last_scale")
+
+
+def sequence_shard(batch: Any, rank: int, size: int, halo: int) -> Any:
+    """Rank ``rank`` of ``size``'s share of a batch for sequence-parallel training (core.drafter.sequence_parallel).
+
+    The batch is first right-padded to a multiple of ``size`` rows (masks 0). The [B, T] ids and masks stay whole
+    (the TTT shifts read the next rows, attention reads every row's mask; they are small); the aux features keep
+    this rank's T / size rows; the teacher fields keep those rows plus the next ``halo`` (the rows the last TTT
+    steps are scored against), zero past the end. Works on a Batch and on a StoredBatch (before decoding: the
+    other ranks' rows are never copied to the device).
+    """
+    seq = batch.input_ids.shape[1]
+    padded = -(-seq // size) * size
+    rows = padded // size
+    start, stop = rank * rows, (rank + 1) * rows
+    changes: dict[str, Any] = {"shard": (start, stop)}
+    for name, end in [*((n, padded) for n in WHOLE_FIELDS), *((n, stop) for n in ROW_FIELDS),
+                      *((n, stop + halo) for n in HALO_FIELDS)]:
+        t = getattr(batch, name, None)
+        if t is not None:
+            changes[name] = _grow_rows(t, end)[:, 0 if name in WHOLE_FIELDS else start : end]
+    return replace(batch, **changes)
+
+
+def _grow_rows(t: torch.Tensor, length: int) -> torch.Tensor:
+    """t [B, T, ...] with zero rows appended up to ``length`` (fp8 through its bytes)."""
+    if t.shape[1] >= length:
+        return t
+    raw = t.view(torch.uint8) if t.element_size() == 1 and t.is_floating_point() else t
+    out = torch.cat((raw, raw.new_zeros((raw.shape[0], length - raw.shape[1], *raw.shape[2:]))), dim=1)
+    return out.view(t.dtype) if raw is not t else out
 
 
 def _pad(rows: list[torch.Tensor], length: int, value: float = 0) -> torch.Tensor:

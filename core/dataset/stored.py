@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from core.dataset.batch import Batch
+from core.dataset.batch import Batch, sequence_shard
 from core.dataset.format import all_finite, clamp_logprobs
 from core.dataset.fp8 import FP8
 
@@ -76,6 +76,7 @@ class StoredBatch:
     last_hidden: torch.Tensor | None
     last_scale: torch.Tensor | None
     sample_ids: list[str]
+    shard: tuple[int, int] | None = None  # a sequence-parallel rank's rows (core.dataset.batch.sequence_shard)
 
     @property
     def num_tokens(self) -> int:
@@ -104,7 +105,13 @@ class StoredBatch:
             last_hidden=(_decode(moved["last_hidden"], moved["last_scale"]).to(dtype)
                          if moved["last_hidden"] is not None else None),
             sample_ids=self.sample_ids,
+            shard=self.shard,
         )
+
+    def sequence_shard(self, rank: int, size: int, halo: int) -> StoredBatch:
+        """Rank ``rank`` of ``size``'s share for sequence-parallel training, still in stored dtypes
+        (core.dataset.batch.sequence_shard)."""
+        return sequence_shard(self, rank, size, halo)
 
 
 def _decode(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:

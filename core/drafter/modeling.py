@@ -48,6 +48,7 @@ from transformers.activations import ACT2FN
 
 from core.drafter.config import DrafterConfig
 from core.drafter.rope import Rope
+from core.drafter.sequence_parallel import SequenceParallel, heads_to_rows, rows_to_heads
 from core.drafter.serving_format import EMBED_KEY, canonical_key
 from core.drafter.ttt_attention import ATTENTION_IMPLS, TTTCache, ttt_attention
 from core.drafter.vocab import check_vocab_mapping
@@ -90,6 +91,9 @@ class _TTTAttentionLayer(nn.Module):
             raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
         self.impl = impl
         self.rope = rope  # shared with the drafter; not a module (its fp32 tables must not follow .to(dtype))
+        # set for a sequence-parallel training run (Eagle3Drafter.set_sequence_parallel): this rank holds T / size
+        # rows, and attention runs on every row of 1 / size of the kv heads between two all-to-alls
+        self.sequence_parallel: SequenceParallel | None = None
 
     @property
     def softmax_scale(self) -> float:
@@ -104,9 +108,18 @@ class _TTTAttentionLayer(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: TTTCache,
         attention_mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        """o_proj(attention) [B, T, H]; this step's keys and values are appended to ``cache``."""
+        """o_proj(attention) [B, T, H]; this step's keys and values are appended to ``cache``.
+
+        Sequence parallel: x holds this rank's rows, ``attention_mask`` every row; the cache holds every row of
+        this rank's kv heads."""
         q, k, v = self.project(x, cos, sin)
-        return self.o_proj(ttt_attention(q, k, v, cache, attention_mask, self.impl, self.softmax_scale))
+        sp = self.sequence_parallel
+        if sp is None:
+            return self.o_proj(ttt_attention(q, k, v, cache, attention_mask, self.impl, self.softmax_scale))
+        q, k, v = (rows_to_heads(t, sp) for t in (q, k, v))
+        out = ttt_attention(q, k, v, cache, attention_mask, self.impl, self.softmax_scale)  # [B, T, heads/P * hv]
+        out = heads_to_rows(out.view(*out.shape[:2], k.shape[2], -1), sp)  # [B, T/P, n_kv, groups * hv]
+        return self.o_proj(out.flatten(2))
 
 
 class LlamaAttention(_TTTAttentionLayer):
@@ -362,6 +375,12 @@ class Eagle3Drafter(DrafterBase):
         self.midlayer.self_attn.impl = impl
 
     # ------------------------------------------------------------------ math
+    def set_sequence_parallel(self, sp: SequenceParallel | None) -> None:
+        """Train on T / sp.size rows per rank (core.drafter.sequence_parallel); None: every row here."""
+        if sp is not None:
+            sp.check_heads(self.midlayer.self_attn.num_kv_heads)
+        self.midlayer.self_attn.sequence_parallel = sp
+
     def project(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """fc over the concatenated aux layers [.., n_aux*Ht] -> [.., H]; EAGLE-3.1 first norms each layer's
         chunk on its own (``fc_norm``, in the order the layers are concatenated: ascending ids)."""

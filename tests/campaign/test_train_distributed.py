@@ -153,3 +153,36 @@ def test_a_run_resumes_on_another_number_of_processes(tiny, before, after):
     la, lb = [r["loss"] for r in read_metrics(straight)], [r["loss"] for r in read_metrics(elastic)]
     assert len(la) == len(lb) == 6 and la[:3] == lb[:3]
     assert max(abs(x - y) for x, y in zip(la, lb, strict=True)) <= 1e-4
+
+
+def test_two_ranks_sharing_each_sample_train_as_one(tiny):
+    """sequence_parallel 2 (issue 45): two processes hold half of every micro-batch's rows each, under DeepSpeed
+    ZeRO-2 over gloo, and train as one process with the whole micro-batches: the same loss at every step and the
+    same weights, up to the order of fp32 sums. Then a resume that asks another sequence_parallel is refused."""
+    data, root = tiny
+    args = dict(max_steps=4, save_every=4, eval_every=4, log_every=1, keep_last=0)
+    one, split = root / "sp-one", root / "sp-two"
+    launch(base_args(data, one, **args), root / "sp-one.log", 1)
+    launch(base_args(data, split, sequence_parallel=2, log_sample_ids=True, **args), root / "sp-two.log", 2)
+    state = json.loads((split / "step-0000004" / "trainer_state.json").read_text())
+    assert state["world_size"] == 1 and state["sequence_parallel"] == 2  # one data-parallel rank of two processes
+    assert _ids(split / "sample_ids" / "rank-0.jsonl", 0) == _ids(split / "sample_ids" / "rank-1.jsonl", 0)
+    ma, mb = read_metrics(one), read_metrics(split)
+    assert [r["tokens"] for r in ma] == [r["tokens"] for r in mb]
+    for x, y in zip(ma, mb, strict=True):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-5), (x["step"], x["loss"], y["loss"])
+        assert y["acc"] == pytest.approx(x["acc"], abs=1e-9)
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5)  # Adam alone would hide a scaled gradient
+    va, vb = read_metrics(one, "val"), read_metrics(split, "val")
+    assert len(va) == len(vb) == 1 and vb[0]["loss"] == pytest.approx(va[0]["loss"], rel=1e-5)
+    a = load_file(str(one / "step-0000004" / "model.safetensors"))
+    b = load_file(str(split / "step-0000004" / "model.safetensors"))
+    worst = max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+    print(f"sequence parallel 2 vs 1: max |weight diff| {worst:.2e}")
+    assert worst <= 1e-5
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "1"}
+    res = subprocess.run([sys.executable, "train/main.py", *base_args(data, split, resume="auto", max_steps=6)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and "sequence_parallel=2" in res.stderr, res.stderr[-2000:]
+    assert len(res.stderr.strip().splitlines()) == 1

@@ -22,7 +22,7 @@ from core.drafter.folder import write_drafter_folder
 MODULES = {"extract": "extract.__main__", "train": "train.main", "acceptance": "eval.acceptance",
            "export": "eval.export", "online": "eval.online", "engine_truth": "eval.engine_truth",
            "serving": "serve.bench", "tune": "serve.tune", "pipeline_tune": "pipeline.tune",
-           "verify_engine": "eval.verify_engine",
+           "verify_engine": "eval.verify_engine", "doctor": "serve.doctor",
            "verify": "extract.verify"}
 
 
@@ -78,6 +78,14 @@ def _cases(w: dict[str, Path]) -> list[tuple[str, str, list[str], str]]:
         ("train", "a DFlash kind no engine serves", ["--data", ds, "--out", out, "--drafter-method", "dflash",
                                                      "--drafter-attention", "mla"], "drafter_attention=mla"),
         ("train", "DFlash kinds mixed", ["--data", ds, "--out", out, "--dflash-layers", "2"], "dflash_layers=2"),
+        ("train", "a sequence-parallel size the world cannot split", ["--data", ds, "--out", out,
+                                                                       "--sequence-parallel", "2"],
+         "sequence_parallel=2 does not divide the 1 process(es)"),
+        ("train", "sequence parallel on a stream", ["--data", ds, "--out", out, "--sequence-parallel", "2",
+                                                    "--stream", "true"], "sequence_parallel=2 trains a finished"),
+        ("train", "sequence parallel with DFlash", ["--data", ds, "--out", out, "--sequence-parallel", "2",
+                                                    "--drafter-method", "dflash", "--mask-token-id", "3"],
+         "sequence_parallel=2: dflash"),
         ("acceptance", "missing option", ["ckpt"], "--data is required"),
         ("acceptance", "no such path", ["/no/such", "--data", ds], "/no/such"),
         ("acceptance", "wrong kind of folder", [f, "--data", ds], f"{f}: not a drafter folder"),
@@ -132,6 +140,11 @@ def _cases(w: dict[str, Path]) -> list[tuple[str, str, list[str], str]]:
         ("verify", "no such path", ["/no/such"], "/no/such is not a directory"),
         ("verify", "wrong kind of folder", [f], f"{f}/manifest.json: manifest is missing"),
         ("verify", "unknown config key", ["f", "--config", bad], "bogus_key"),
+        ("doctor", "missing option", [], "url"),
+        ("doctor", "wrong kind of folder", ["--url", "http://127.0.0.1:9", "--drafter", f], f"--drafter {f}: no config"),
+        ("doctor", "unknown config key", ["--url", "u", "--config", bad], "bogus_key"),
+        ("doctor", "bad value", ["--url", "u", "--concurrency", "0"], "concurrency=[0]"),
+        ("doctor", "no server there", ["--url", "http://127.0.0.1:9", "--max-seconds", "20"], "127.0.0.1:9"),
     ]
 
 
