@@ -32,8 +32,9 @@ widths, depth, heads and expert counts, so every stage meets Kimi's shape on a C
   ``<|im_end|>``, and ``redraft_build.json`` (recipe, loss curve, time, sha256 of the weights, a reload
   check and probe logits).
 - :func:`write_wrapped`: the same weights in Kimi-K2.5's served layout (``KimiK25ForConditionalGeneration``,
-  text config nested, weights under ``language_model.``), loaded with ``trust_remote_code`` as the real
-  checkpoint is (``catalog/kimi_remote/`` holds the two small files it runs).
+  text config nested, weights under ``language_model.``, a token-sized vision tower and the processor files),
+  loaded with ``trust_remote_code`` as the real checkpoint is (``catalog/kimi_remote/`` holds the small files it
+  runs); complete enough for SGLang 0.5.23 to serve it.
 
 Nothing here downloads anything. Heavy imports (torch, transformers) happen inside the functions, so
 importing this module (for the constants, the template or :func:`recipe_digest`) costs nothing.
@@ -138,7 +139,9 @@ KIMI_K25_DEVIATIONS: dict[str, str] = {
     "architectures / model_type": "a text-only DeepseekV3ForCausalLM / deepseek_v3; Kimi-K2.5 is "
                                   "KimiK25ForConditionalGeneration / kimi_k25 with the text model nested (model_type "
                                   "kimi_k2); write_wrapped() writes that served layout",
-    "vision": "no vision tower or media encoder (the drafter sees only the text model)",
+    "vision": "no vision tower or media encoder in the plain folder (the drafter sees only the text model); "
+              "write_wrapped() adds an untrained token-sized one (KIMI_K25_VISION_SHRUNK) and a processor that "
+              "takes no images",
     "tokenizer": "SmolLM2's byte-level BPE for text (49,163 of 163,840 ids) with Kimi-K2.5's special tokens at its "
                  "ids; Kimi's tiktoken tokenizer is remote code that cannot be had offline",
     "weights": "float32, a few minutes of training on 120 chitchat openings; Kimi-K2.5 publishes quantised weights",
@@ -678,23 +681,91 @@ def cast_folder(src: Path, out: Path, dtype: str) -> Path:
 # ---------------------------------------------------------------------------------------------------------
 
 REMOTE_CODE = Path(__file__).resolve().with_name("kimi_remote")
-REMOTE_FILES = ("configuration_kimi_k25.py", "modeling_kimi_k25.py")
+REMOTE_FILES = ("configuration_kimi_k25.py", "modeling_kimi_k25.py", "kimi_k25_processor.py",
+                "kimi_k25_vision_processing.py")
 WRAPPED_ARCHITECTURE = "KimiK25ForConditionalGeneration"
-# A stand-in for the vision tower (never run on text): the layout's keys exist, at a token size.
-VISION_STANDIN = {"vt_hidden_size": 32, "patch_size": 14, "merge_kernel_size": [2, 2]}
+
+# The vision tower and projector: never run on text, but SGLang builds Kimi's MoonViT from vision_config and loads
+# its weights by name while it starts, so the layout carries a complete one at a token size. Kimi-K2.5's values
+# where size does not matter; the shrunk ones below with Kimi's value next to the miniature's.
+KIMI_K25_VISION: dict[str, Any] = {
+    "patch_size": 14,
+    "merge_kernel_size": [2, 2],
+    "init_pos_emb_time": 4,
+    "pos_emb_type": "divided_fixed",
+    "video_attn_type": "spatial_temporal",
+    "merge_type": "sd2_tpool",
+    "mm_projector_type": "patchmerger",
+    "projector_hidden_act": "gelu",
+    "projector_ln_eps": 1e-05,
+}
+KIMI_K25_VISION_SHRUNK: dict[str, tuple[int, int]] = {
+    "vt_hidden_size": (1152, 32),
+    "vt_num_hidden_layers": (27, 1),
+    "vt_num_attention_heads": (16, 2),
+    "vt_intermediate_size": (4304, 64),
+    "init_pos_emb_height": (64, 8),
+    "init_pos_emb_width": (64, 8),
+}
+# Kimi-K2.5's media budget (preprocessor_config.json's media_proc_cfg), kept: SGLang reads every key while it starts.
+KIMI_K25_MEDIA_PROC: dict[str, Any] = {
+    "patch_size": 14,
+    "merge_kernel_size": 2,
+    "in_patch_limit": 16384,
+    "patch_limit_on_one_side": 512,
+    "fixed_output_tokens": None,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+}
+
+
+def vision_config(text_hidden: int) -> dict[str, Any]:
+    """The served layout's vision_config: Kimi's ``vt_*`` keys (its checkpoint's, the stand-in's) and the same sizes
+    under the names SGLang's KimiK25VisionConfig builds the tower from (hidden_size, num_hidden_layers, ...)."""
+    cfg = dict(KIMI_K25_VISION)
+    cfg.update({k: mini for k, (_, mini) in KIMI_K25_VISION_SHRUNK.items()})
+    cfg.update({"hidden_size": cfg["vt_hidden_size"], "num_hidden_layers": cfg["vt_num_hidden_layers"],
+                "num_attention_heads": cfg["vt_num_attention_heads"], "intermediate_size": cfg["vt_intermediate_size"],
+                "mm_hidden_size": cfg["vt_hidden_size"], "text_hidden_size": int(text_hidden)})
+    return cfg
+
+
+def _vision_tensors(vision: dict[str, Any], text_hidden: int, dtype: Any) -> dict[str, Any]:
+    """Seeded weights for the stand-in tower and projector, named as Kimi-K2.5's checkpoint names them (the
+    stand-in module in kimi_remote defines the names and shapes; SGLang maps wqkv/wo/proj.N to its own)."""
+    import torch
+
+    from catalog.kimi_remote.modeling_kimi_k25 import ProjectorStandin, VisionTowerStandin
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        parts = {"vision_tower": VisionTowerStandin(vision), "mm_projector": ProjectorStandin(vision, text_hidden)}
+    return {f"{prefix}.{k}": v.detach().to(dtype).contiguous() for prefix, module in parts.items()
+            for k, v in module.state_dict().items()}
+
+
+def write_processor_config(out: Path) -> None:
+    """preprocessor_config.json as Kimi-K2.5 ships it: the remote processor classes (auto_map) and the media budget.
+    Without it AutoProcessor falls back to the bare tokenizer, and SGLang's kimi_k25 processor stops at start-up
+    (no ``media_processor``)."""
+    cfg = {"auto_map": {"AutoProcessor": "kimi_k25_processor.KimiK25Processor",
+                        "AutoImageProcessor": "kimi_k25_vision_processing.KimiK25VisionProcessor"},
+           "image_processor_type": "KimiK25VisionProcessor",
+           "media_proc_cfg": dict(KIMI_K25_MEDIA_PROC)}
+    (out / "preprocessor_config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
 def write_wrapped(plain: Path, out: Path) -> Path:
     """The miniature in Kimi-K2.5's served layout: the same text weights under ``language_model.``, the text
-    config nested as ``text_config``, a token-sized vision stand-in, and the model code that
-    ``trust_remote_code`` loads (``auto_map``), as in the real checkpoint."""
-    import torch
+    config nested as ``text_config``, a token-sized vision tower and projector, the processor files, and the
+    model and processor code that ``trust_remote_code`` loads (``auto_map``), as in the real checkpoint."""
     from safetensors.torch import load_file, save_file
 
     plain, out = Path(plain), Path(out)
     out.mkdir(parents=True, exist_ok=False)
     text = json.loads((plain / "config.json").read_text())
     text.pop("transformers_version", None)
+    hidden = int(text["hidden_size"])
     cfg = {
         "architectures": [WRAPPED_ARCHITECTURE],
         "model_type": "kimi_k25",
@@ -702,7 +773,7 @@ def write_wrapped(plain: Path, out: Path) -> Path:
                      "AutoModel": "modeling_kimi_k25.KimiK25ForConditionalGeneration",
                      "AutoModelForCausalLM": "modeling_kimi_k25.KimiK25ForConditionalGeneration"},
         "text_config": text,
-        "vision_config": dict(VISION_STANDIN),
+        "vision_config": vision_config(hidden),
         "bos_token_id": text["bos_token_id"],
         "eos_token_id": text["eos_token_id"],
         "pad_token_id": text["pad_token_id"],
@@ -712,18 +783,12 @@ def write_wrapped(plain: Path, out: Path) -> Path:
     }
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     tensors = {f"language_model.{k}": v for k, v in load_file(str(plain / "model.safetensors")).items()}
-    g = torch.Generator().manual_seed(0)
-    vt, hidden = VISION_STANDIN["vt_hidden_size"], int(text["hidden_size"])
-    merged = vt * VISION_STANDIN["merge_kernel_size"][0] * VISION_STANDIN["merge_kernel_size"][1]
-    dtype = next(iter(tensors.values())).dtype
-    for name, shape in (("vision_tower.patch_embed.proj.weight", (vt, 3 * 14 * 14)),
-                        ("mm_projector.proj.0.weight", (merged, merged)),
-                        ("mm_projector.proj.2.weight", (hidden, merged))):
-        tensors[name] = (torch.randn(shape, generator=g) * 0.02).to(dtype)
+    tensors.update(_vision_tensors(cfg["vision_config"], hidden, next(iter(tensors.values())).dtype))
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     for f in plain.iterdir():
         if f.is_file() and f.name not in ("config.json", "model.safetensors", "redraft_build.json"):
             shutil.copy2(f, out / f.name)
     for name in REMOTE_FILES:
         shutil.copy2(REMOTE_CODE / name, out / name)
+    write_processor_config(out)
     return out

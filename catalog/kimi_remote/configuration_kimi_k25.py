@@ -12,7 +12,7 @@ class KimiK25Config(PretrainedConfig):
         if isinstance(text_config, dict):
             text_config = CONFIG_MAPPING[text_config.get("model_type", "deepseek_v3")](**text_config)
         self.text_config = text_config if text_config is not None else CONFIG_MAPPING["deepseek_v3"]()
-        self.vision_config = dict(vision_config or {"vt_hidden_size": 32, "patch_size": 14, "merge_kernel_size": [2, 2]})
+        self.vision_config = dict(vision_config or {})  # write_wrapped writes every key the stand-in reads
         self.media_placeholder_token_id = media_placeholder_token_id
         kwargs.setdefault("tie_word_embeddings", False)
         super().__init__(**kwargs)
