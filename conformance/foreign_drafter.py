@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from core.layers import ENGINES, to_engine_layer_ids
+from core.layers import ENGINES, from_engine_layer_ids, to_engine_layer_ids
 
 LLAMA_ARCH = "LlamaForCausalLMEagle3"
 MLA_ARCH = "Eagle3DeepseekV2ForCausalLM"
@@ -43,14 +43,18 @@ def config_layer_ids(ours: Sequence[int], architecture: str, num_layers: int,
                      engines: Sequence[str] = ENGINES) -> tuple[int, ...]:
     """The config.json ids that make each of ``engines`` capture our layer ids ``ours``.
 
-    Derived by ``core.layers.to_engine_layer_ids`` (the rule's one home), not written out here; a preset
-    whose folder every engine reads must mean the same layers to each, so the engines must agree.
+    Candidates are each engine's own spelling (``core.layers.to_engine_layer_ids``, the rule's one home), kept when
+    every engine reads it back as ``ours`` (``from_engine_layer_ids``): a preset whose folder every engine reads
+    must mean the same layers to each. Kimi-K2.5's ``[1, 29, 57]``: SGLang's own spelling is ``[1, 29, 57]`` (read
+    alike by 0.5.10 and 0.5.23), vLLM's ``[2, 30, 58]``, which SGLang 0.5.23 reads as the same layers.
     """
-    got = {tuple(to_engine_layer_ids(ours, e, architecture, num_layers)) for e in engines}
-    if len(got) != 1:
-        raise ValueError(f"our layer ids {list(ours)} ({architecture}) need different config ids per engine: "
-                         f"{sorted(got)}; name the engine whose layout the folder stands for")
-    return got.pop()
+    ours = sorted(int(i) for i in ours)
+    spellings = [tuple(to_engine_layer_ids(ours, e, architecture, num_layers)) for e in engines]
+    shared = [c for c in spellings if all(from_engine_layer_ids(c, e, architecture) == ours for e in engines)]
+    if not shared:
+        raise ValueError(f"our layer ids {ours} ({architecture}) need different config ids per engine: "
+                         f"{sorted(set(spellings))}; name the engine whose layout the folder stands for")
+    return shared[0]
 
 
 @dataclass(frozen=True)

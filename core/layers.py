@@ -14,10 +14,12 @@ matching each against the HF backend's per-layer outputs: ``tests/engine/sglang/
 - SGLang ``llama.py`` (and the other Llama-style models): captures the input of layer ``e + 1``; ids must be
   ``< L`` (its range check) and the input of layer ``L`` does not exist, so the last layer's output is never
   captured (it silently comes back one layer short).
-- SGLang ``deepseek_v2.py`` (DeepSeek-V2/V3, Kimi-K2/K2.5): captures the input of layer ``e + 1`` when the
-  *first* configured id is 1, else the input of layer ``e``; ids must be ``< L``. redraft writes
-  input-of-layer ids (``i + 1``) and never puts 1 first, so the engine captures exactly the layers asked for,
-  layer 0's output included; the last layer's output is out of reach here too.
+- SGLang ``deepseek_v2.py`` (DeepSeek-V2/V3, Kimi-K2/K2.5): 0.5.23 captures the input of layer ``e + 1`` when the
+  *first* configured id is 1, else the input of layer ``e``; 0.5.10 the input of layer ``e + 1`` for every id
+  (sglang#25454); ids must be ``< L``. When our first layer is 1 redraft writes our ids as they are (read alike by
+  both versions: Kimi-K2.5's ``[1, 29, 57]``); otherwise input-of-layer ids (``i + 1``), never with 1 first, which
+  0.5.23 reads as asked (0.5.10 one layer deeper: ``serve.doctor`` says so), layer 0's output included; the last
+  layer's output is out of reach here too.
 
 So for SGLang an aux layer is one of ``0 .. L-2``; for vLLM one of ``0 .. L-1``.
 
@@ -123,6 +125,8 @@ def to_engine_layer_ids(ids: Sequence[int], engine: str, architecture: str,
         )
     if engine == "sglang" and serving_family(architecture) == "llama":
         return ids
+    if engine == "sglang" and ids[0] == 1:
+        return ids  # first id 1: SGLang adds 1 to each, 0.5.10 (every id) and 0.5.23 (first is 1) alike
     shifted = [i + 1 for i in ids]
     if engine == "sglang" and shifted[0] == 1:
         shifted = shifted[1:] + [1]  # deepseek_v2.py shifts every id again when the first is 1
@@ -155,3 +159,36 @@ def from_engine_layer_ids(ids: Sequence[int], engine: str, architecture: str) ->
             "which is not a decoder-layer output"
         )
     return ours
+
+
+# SGLang's reading of a DeepSeek-family drafter's ids changed (sglang#25454): 0.5.10 adds 1 to every id; 0.5.23 adds 1
+# only when the first id is 1 (models/deepseek_v2.py set_eagle3_layers_to_capture). Which release between them first
+# had the change is not known here; 0.5.9's Kimi-K2.5 wrapper forwards no EAGLE-3 capture at all (0.5.10 adds it).
+SGLANG_SHIFT_ALWAYS = (0, 5, 10)  # the version known to add 1 to every id
+SGLANG_SHIFT_FIRST_IS_1 = (0, 5, 23)  # from this version on: add 1 only when the first id is 1
+
+
+def parse_version(text: str | None) -> tuple[int, ...] | None:
+    """(0, 5, 23) from "0.5.23", "0.5.23.post1" or "v0.5.23rc0"; None when it is not a version."""
+    m = re.match(r"v?(\d+)\.(\d+)(?:\.(\d+))?", str(text or "").strip())
+    return None if m is None else tuple(int(g or 0) for g in m.groups())
+
+
+def sglang_read_layer_ids(written: Sequence[int], architecture: str, version: str | None) -> list[int] | None:
+    """The layers (our convention) a given SGLang version captures for a drafter config's ``written`` ids.
+
+    Llama-style targets: the same in every version (llama.py adds 1 itself). DeepSeek family (Kimi-K2/K2.5): 0.5.23
+    and later add 1 only when the first id is 1; 0.5.10 adds 1 to every id. None where the version's rule is not
+    known here (before 0.5.10, or between 0.5.10 and 0.5.23 with a first id other than 1, where the two rules part).
+    """
+    written = [int(i) for i in written]
+    if serving_family(architecture) == "llama":
+        return sorted(written)
+    v = parse_version(version)
+    if v is None:
+        return None
+    if v >= SGLANG_SHIFT_FIRST_IS_1:
+        return from_engine_layer_ids(written, "sglang", architecture)
+    if v == SGLANG_SHIFT_ALWAYS or (v > SGLANG_SHIFT_ALWAYS and written and written[0] == 1):
+        return sorted(written)  # input of layer i + 1 for every id: our ids as written
+    return None

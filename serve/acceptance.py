@@ -33,6 +33,7 @@ SGLANG_INFO_KEYS = (
     "model_path", "version", "tp_size", "context_length", "max_running_requests", "cuda_graph_max_bs",
     "speculative_algorithm", "speculative_draft_model_path", "speculative_num_steps",
     "speculative_eagle_topk", "speculative_num_draft_tokens",
+    "speculative_adaptive", "max_total_num_tokens", "launch_command",  # serve.doctor: the fix for the 48 cap
 )
 VLLM_PREFIX = "vllm:"
 

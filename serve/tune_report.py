@@ -15,6 +15,7 @@ from typing import Any
 
 from core.atomic import atomic_write_text
 from core.plotting import atomic_write_png, pyplot
+from serve import doctor_findings
 from serve.repeats import BASE, pool_server
 from serve.report import render_markdown_table as markdown_table
 
@@ -60,16 +61,14 @@ def answer(sweep_runs: list[dict[str, Any]], ks: list[int], tau_offline: dict[in
                 "error": pred / ratio["median"] - 1 if pred is not None and ratio["median"] else None,
                 "errors": lv["errors"],
             })
-        paying = [r for r in rows if r["speedup"]["median"] and r["speedup"]["median"] > 1.0]
-        best = max(paying, key=lambda r: r["speedup"]["median"]) if paying else None
+        best = max(rows, key=lambda r: r["speedup"]["median"] or 0.0) if rows else None
+        if best is not None and not doctor_findings.pays(best["speedup"]["median"]):
+            best = None  # the doctor's rule
         per_c.append({"concurrency": c, "base_tok_s": base_lv["aggregate_tok_s"], "settings": rows,
                       "best": best["k"] if best else None,
                       "best_speedup": best["speedup"] if best else None})
-    no_gain_from = None
-    for entry in reversed(per_c):
-        if entry["best"] is not None:
-            break
-        no_gain_from = entry["concurrency"]
+    no_gain_from = doctor_findings.where_it_pays(
+        [(e["concurrency"], e["best_speedup"]["median"] if e["best_speedup"] else 0.0) for e in per_c])["no_gain_from"]
     return {"per_concurrency": per_c, "no_gain_from": no_gain_from, "pooled": pooled}
 
 
@@ -96,17 +95,12 @@ def recommendation(ans: dict[str, Any], target: str, drafters: dict[str, str], t
 
 
 def pays_sentence(ans: dict[str, Any]) -> str:
-    """Where a setting beats base, said of exactly the concurrencies measured (none, some or all)."""
-    pays = [e["concurrency"] for e in ans["per_concurrency"] if e["best"] is not None]
-    not_paying = [e["concurrency"] for e in ans["per_concurrency"] if e["best"] is None]
-    if not pays:
-        return "No setting beats base at any concurrency measured: serve base."
-    if not not_paying:
-        return "A setting beats base at every concurrency measured."
-    said = (f"A setting beats base at concurrency {', '.join(map(str, pays))}; none does at "
-            f"{', '.join(map(str, not_paying))}.")
-    ngf = ans["no_gain_from"]
-    return said + (f" None beats base from concurrency {ngf} on." if ngf is not None else "")
+    """Where a setting beats base, said of exactly the concurrencies measured (none, some or all), in the doctor's
+    words (serve.doctor_findings: one rule, one sentence)."""
+    verdict = {"pays": [e["concurrency"] for e in ans["per_concurrency"] if e["best"] is not None],
+               "loses": [e["concurrency"] for e in ans["per_concurrency"] if e["best"] is None],
+               "no_gain_from": ans["no_gain_from"]}
+    return doctor_findings.pays_sentence(verdict)
 
 
 def _f(v: Any, digits: int = 2) -> str:

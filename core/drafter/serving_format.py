@@ -10,7 +10,8 @@ The two formats share the tensors (un-prefixed ``midlayer.*``, ``fc``, ``norm``,
 ``d2t``, ``t2d``; both engines drop ``t2d``). They differ in ``config.json``: the aux layer ids
 are written in the chosen engine's convention for the target's architecture
 (``core.layers.to_engine_layer_ids``), e.g. a Llama target's ``[1, 14, 26]`` for SGLang is
-``[2, 15, 27]`` for vLLM, while the DeepSeek/Kimi family is ``[2, 30, 58]`` for both.
+``[2, 15, 27]`` for vLLM, and Kimi-K2.5's ``[1, 29, 57]`` for SGLang (read alike by 0.5.10 and 0.5.23) is
+``[2, 30, 58]`` for vLLM.
 
 Each attention kind has its architecture (:data:`SERVING_ARCHS`): ``LlamaForCausalLMEagle3``
 (``model_type`` llama) and the MLA drafter ``Eagle3DeepseekV2ForCausalLM`` (``model_type`` deepseek_v2: vLLM

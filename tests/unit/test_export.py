@@ -102,9 +102,9 @@ def test_kimi_k25_table_and_config_match_the_reference_numbers():
     assert t["lm_head.weight"] == (32000, 7168)
     assert t["embed_tokens.weight"] == (163840, 7168)
     assert t["d2t"] == (32000,) and t["t2d"] == (163840,)
-    for engine in ("sglang", "vllm"):
+    for engine, ids in (("sglang", [1, 29, 57]), ("vllm", [2, 30, 58])):  # SGLang's: read alike by 0.5.10 and 0.5.23
         c = serving_config(cfg, engine=engine)
-        assert c["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [2, 30, 58], "use_aux_hidden_state": True}
+        assert c["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}
         assert c["architectures"] == ["LlamaForCausalLMEagle3"] and c["model_type"] == "llama"
         assert (c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]) == (
             7168, 64, 64, 128)
@@ -122,8 +122,9 @@ def test_kimi_k25_table_and_config_match_the_reference_numbers():
 
 @pytest.mark.parametrize(("arch", "layers", "ids", "sglang", "vllm"), [
     ("LlamaForCausalLM", 30, [1, 14, 26], [1, 14, 26], [2, 15, 27]),  # SGLang llama.py adds 1 itself
-    ("DeepseekV3ForCausalLM", 61, [1, 29, 57], [2, 30, 58], [2, 30, 58]),
-    ("KimiK25ForConditionalGeneration", 61, [1, 29, 57], [2, 30, 58], [2, 30, 58]),
+    ("DeepseekV3ForCausalLM", 61, [1, 29, 57], [1, 29, 57], [2, 30, 58]),  # first id 1: SGLang adds 1 in any version
+    ("KimiK25ForConditionalGeneration", 61, [1, 29, 57], [1, 29, 57], [2, 30, 58]),
+    ("KimiK25ForConditionalGeneration", 61, [2, 30, 58], [3, 31, 59], [3, 31, 59]),  # 0.5.23 reads it as asked
 ])
 def test_config_layer_ids_per_engine(arch, layers, ids, sglang, vllm):
     cfg = tiny_config(aux_layer_ids=ids, target_num_layers=layers, target_architecture=arch)

@@ -44,7 +44,8 @@ def test_kimi_configs_agree():
     assert extract.get("aux_layer_ids", []) == []
     ours = default_aux_layer_ids(61)
     assert ours == [1, 29, 57]
-    assert to_engine_layer_ids(ours, "sglang", ARCH) == to_engine_layer_ids(ours, "vllm", ARCH) == [2, 30, 58]
+    assert to_engine_layer_ids(ours, "sglang", ARCH) == [1, 29, 57]  # read alike by SGLang 0.5.10 and 0.5.23
+    assert to_engine_layer_ids(ours, "vllm", ARCH) == [2, 30, 58]
     assert ex.format == "sglang"
 
     # what is evaluated offline is what SGLang will draft and serve

@@ -99,7 +99,8 @@ def test_serving_config_says_what_the_engines_build_and_reads_back(engine):
         24, 512, 8, 64, 12)
     assert c["rope_interleave"] is True and "n_routed_experts" not in c
     assert c["rope_scaling"]["factor"] == 64.0 and c["rope_parameters"]["rope_type"] == "yarn"
-    assert c["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 3, 5]  # DeepSeek family: input-of-layer
+    # DeepSeek family, our [1, 2, 4]: vLLM reads input-of-layer ids; SGLang adds 1 itself when the first id is 1
+    assert c["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == {"vllm": [2, 3, 5], "sglang": [1, 2, 4]}[engine]
     back = drafter_config_from_serving(json.loads(json.dumps(c)), target_architecture="DeepseekV3ForCausalLM",
                                        target_num_layers=8, engine=engine)
     assert back == cfg

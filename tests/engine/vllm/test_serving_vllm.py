@@ -113,3 +113,39 @@ def test_naming_the_wrong_engine_is_an_error(server, capsys):
     srv, root = server
     assert serving.main(["--eagle", srv.url, "--engine", "sglang", "--num-prompts", "1", "--retries", "0"]) == 2
     assert "not as an SGLang server" in capsys.readouterr().err
+
+
+def test_the_doctor_reads_the_server_and_finds_a_drafter_folder_read_one_layer_off(server, tmp_path):
+    """serve.doctor on the same server: the engine, its version and steps from its own endpoints, the probe's
+    acceptance from its counters; the exported drafter's ids are read by vLLM as trained (no layer finding), and a
+    copy whose ids are one layer off is found, with the ids to write."""
+    import shutil
+
+    from serve import doctor
+
+    srv, root = server
+    export = root / "export"
+
+    def examine(folder, name):
+        out = tmp_path / f"{name}.json"
+        rc = doctor.main(["--url", srv.url, "--drafter", str(folder), "--tokenizer", str(smollm2_dir()),
+                          "--concurrency", "1", "--num-prompts", "2", "--max-tokens", "16", "--json", str(out)])
+        result = json.loads(out.read_text())
+        assert rc == (doctor.FINDINGS if result["findings"] else doctor.HEALTHY)
+        return result, {f["code"]: f for f in result["findings"]}
+
+    result, findings = examine(export, "as-exported")
+    assert result["engine"] == "vllm" and result["running"]["speculative_num_steps"] == K
+    assert result["running"]["version"].startswith("0.32")
+    level = result["probe"]["levels"][0]
+    assert level["ok"] == level["requests"] and level["accept_length"] >= 1.0
+    assert not {"layer-ids-misread", "context-length", "requests-fail"} & set(findings)
+
+    bad = tmp_path / "one-layer-off"
+    shutil.copytree(export, bad)
+    config = json.loads((bad / "config.json").read_text())
+    written = config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [i - 1 for i in written]
+    (bad / "config.json").write_text(json.dumps(config))
+    _, findings = examine(bad, "one-layer-off")
+    assert str(sorted(written)) in findings["layer-ids-misread"]["fix"]

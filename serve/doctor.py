@@ -1,0 +1,183 @@
+"""The doctor: why a running speculative deployment does not pay, and the flags that fix it.
+
+    python -m serve.doctor --url http://HOST:PORT [--drafter DIR] [--target DIR] [--base-url URL] \\
+        [--tokenizer DIR] [--concurrency 1,8] [--num-prompts 8] [--max-tokens 128] [--max-seconds 300] \\
+        [--offline-tau T] [--json OUT.json] [--markdown OUT.md]
+
+1. What is running, from the engine's own endpoints (``serve.bench``'s identity: SGLang ``/server_info``, whose
+   launch line and KV budget come along; vLLM ``/v1/models``, ``/version``, ``/metrics``): engine and version,
+   target, speculative algorithm and steps, draft model, ``max_running_requests``, CUDA-graph batch limit, context.
+2. The drafter folder (``--drafter``, else the draft model path the server reports when it exists here): its layer
+   ids as *this engine version* reads them (``core.layers``), against the layers it was trained on (an
+   ``eval.export`` folder records them); its context length against the server's.
+3. A bounded probe (``serve.bench``: a few prompts at each ``--concurrency``, the engine's own acceptance: SGLang's
+   per-request counters, vLLM's ``/metrics`` differences); beside ``--base-url`` when given (tokens/s ratios
+   measured), and at most ``--max-seconds`` in all.
+4. The verdict (``serve.doctor_findings``): each finding with its evidence and the exact fix. ``--offline-tau``
+   (τ of ``python -m eval.acceptance`` over the same kind of traffic) separates a drafter served wrongly from one
+   that does not fit.
+
+Exit status: 0 healthy (no finding), 3 findings, 2 cannot examine (bad options, an unreachable server, a probe past
+``--max-seconds``); the probe's requests failing is a finding of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from core import options
+from core.atomic import atomic_write_text
+from core.config import ConfigError
+from core.options import option
+from serve import doctor_findings as rules
+from serve.bench import ServingConfig, run_benchmark
+from serve.prompts import ServingError
+
+log = logging.getLogger("serve.doctor")
+HEALTHY, FINDINGS, CANNOT_EXAMINE = 0, 3, 2
+PROG = "python -m serve.doctor"
+
+
+@dataclass(kw_only=True)
+class DoctorOptions:
+    """The options of python -m serve.doctor (core.options)."""
+
+    url: str = option(help="the speculative server to examine (SGLang or vLLM), e.g. http://host:30000", group="server")
+    base_url: str | None = option(None, "a server of the same target without a drafter: the probe measures the "
+                                        "speed-up against it (else no speed is judged)", group="server")
+    drafter: str | None = option(None, "the drafter folder the server loads (default: the path the server reports, "
+                                       "when it exists here)", group="server")
+    target_architecture: str | None = option(None, "the target's architecture, e.g. KimiK25ForConditionalGeneration "
+                                                   "(default: the drafter's redraft.json)", group="server")
+    tokenizer: str | None = option(None, "the target's folder: prompts rendered with its chat template (SGLang then "
+                                         "reports acceptance per request)", group="probe")
+    trust_remote_code: bool = option(False, "allow the tokenizer's custom code (Kimi-K2.5)", group="probe")
+    prompts: str | None = option(None, "prompt file (default: the embedded MT-bench first turns)", group="probe")
+    concurrency: list[int] = option([1, 8], "concurrent streams probed (1 and the level you serve at)", group="probe")
+    num_prompts: int = option(8, "prompts per probe level", group="probe")
+    max_tokens: int = option(128, "new tokens per request", group="probe")
+    max_seconds: float = option(300.0, "the whole probe's time limit", group="probe")
+    offline_tau: float | None = option(None, "the drafter's τ offline on this kind of traffic (eval.acceptance)",
+                                       group="probe")
+    json: str | None = option(None, "write the findings and the evidence as JSON here", group="output")
+    markdown: str | None = option(None, "write them as Markdown here", group="output")
+
+    def validate(self) -> None:
+        if not self.concurrency or min(self.concurrency) < 1:
+            raise ConfigError(f"concurrency={self.concurrency}: expected positive integers")
+        if self.num_prompts < 1 or self.max_tokens < 1 or self.max_seconds <= 0:
+            raise ConfigError("num_prompts, max_tokens and max_seconds: must be positive")
+        if self.drafter is not None and not (Path(self.drafter) / "config.json").is_file():
+            raise ConfigError(f"--drafter {self.drafter}: no config.json (not a drafter folder)")
+
+
+def probe(args: DoctorOptions) -> dict[str, Any]:
+    """serve.bench over the server (and the base), bounded in requests and seconds."""
+    cfg = ServingConfig(base=args.base_url, eagle=args.url, concurrency=args.concurrency, max_tokens=args.max_tokens,
+                        prompts=args.prompts, num_prompts=args.num_prompts, min_rounds=1, warmup=1, retries=1,
+                        timeout=min(args.max_seconds, 300.0), tokenizer=args.tokenizer,
+                        trust_remote_code=args.trust_remote_code)
+    try:
+        return asyncio.run(asyncio.wait_for(run_benchmark(cfg), timeout=args.max_seconds))
+    except (asyncio.TimeoutError, TimeoutError):
+        raise ServingError(f"the probe did not finish within --max-seconds {args.max_seconds:.0f}; lower "
+                           "--num-prompts/--max-tokens or raise it") from None
+
+
+def examine(args: DoctorOptions) -> dict[str, Any]:
+    """Gather the evidence, then the findings."""
+    report = probe(args)
+    server = report["servers"]["eagle"]
+    engine, info = server["engine"], server["info"]
+    drafter_dir = args.drafter or info.get("speculative_draft_model_path")
+    drafter = rules.drafter_facts(Path(drafter_dir)) if drafter_dir and (Path(drafter_dir) / "config.json").is_file() \
+        else None
+    levels = server["levels"]
+    done = [lv for lv in levels if lv["ok"]]
+    # a request's tokens for sizing the cap's fix: the probe's mean reply plus as much again for its prompt (the
+    # prompt's length is not reported by every API; MT-bench's first turns are shorter than its replies)
+    per_request = 2 * sum(lv["output_tokens"] for lv in done) / max(sum(lv["ok"] for lv in done), 1)
+    running = {"info": info, "tokens_per_request": per_request}
+    findings: list[rules.Finding] = []
+    if any(lv["errors"] for lv in levels):
+        bad = next(lv for lv in levels if lv["errors"])
+        findings.append(rules.Finding("requests-fail", "requests to the server fail",
+                                      f"{bad['errors']} of {bad['requests']} at concurrency {bad['concurrency']}, "
+                                      f"e.g. {bad['error_samples'][:1]}", "read the server's log"))
+    for w in server["warnings"]:
+        if "not running a drafter" in w:
+            findings.append(rules.Finding("no-drafter", "the server runs no drafter", w,
+                                          "start it with the drafter (python -m eval.export prints the launch line)"))
+    checks = [rules.cap_finding(engine, running, max(args.concurrency))]
+    if drafter is not None:
+        checks += [rules.layer_finding(engine, info.get("version"), drafter, args.target_architecture),
+                   rules.context_finding(running, drafter)]
+    checks.append(rules.acceptance_finding(levels, info.get("speculative_num_steps"), args.offline_tau))
+    findings += [f for f in checks if f is not None]
+    findings += rules.speed_findings(report.get("comparison") or [])
+    return {"url": args.url, "engine": engine, "running": _running_summary(info), "drafter": drafter,
+            "probe": {"levels": [{k: lv[k] for k in ("concurrency", "requests", "ok", "errors", "aggregate_tok_s",
+                                                      "per_stream_tok_s", "accept_length", "accept_per_pos")}
+                                 for lv in levels],
+                      "comparison": report.get("comparison") or [],
+                      "speed": "measured against --base-url" if args.base_url else
+                               "not judged (no --base-url: a base server's speed is what a speed-up is against)"},
+            "findings": [f.to_dict() for f in findings], "healthy": not findings}
+
+
+def _running_summary(info: dict[str, Any]) -> dict[str, Any]:
+    """What the server reported, the fields it has (SGLang's /server_info or vLLM's endpoints, via serve.bench)."""
+    return {k: v for k, v in info.items() if v is not None}
+
+
+def render(result: dict[str, Any]) -> str:
+    lines = [f"# serve.doctor: {result['url']} ({result['engine']})", ""]
+    lines += [f"- {k}: {v}" for k, v in result["running"].items()]
+    if result["drafter"]:
+        d = result["drafter"]
+        lines.append(f"- drafter {d['folder']}: layer ids {d['written_layer_ids']} (trained on "
+                     f"{d['trained_layer_ids'] or 'unknown: not a redraft export'}), context "
+                     f"{d['max_position_embeddings']}")
+    lines += ["", "| concurrency | ok | tokens/s | per stream | tokens per verify round |", "|---:|---:|---:|---:|---:|"]
+    for lv in result["probe"]["levels"]:
+        acc = "n/a" if lv["accept_length"] is None else f"{lv['accept_length']:.2f}"
+        per = "n/a" if lv["per_stream_tok_s"] is None else f"{lv['per_stream_tok_s']:.1f}"
+        lines.append(f"| {lv['concurrency']} | {lv['ok']}/{lv['requests']} | {lv['aggregate_tok_s']:.1f} | {per} "
+                     f"| {acc} |")
+    lines += ["", f"Speed: {result['probe']['speed']}.", ""]
+    if result["healthy"]:
+        lines.append("Verdict: healthy (no finding).")
+    else:
+        lines.append(f"Verdict: {len(result['findings'])} finding(s).")
+        for f in result["findings"]:
+            lines += ["", f"## {f['title']} ({f['code']})", f"- evidence: {f['evidence']}", f"- fix: {f['fix']}"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = options.parse(DoctorOptions, argv, prog=PROG, description=__doc__.split("\n\n")[0])
+    result = examine(args)
+    text = render(result)
+    print(text, end="")
+    if args.json:
+        atomic_write_text(Path(args.json), json.dumps(result, indent=1, default=str) + "\n")
+    if args.markdown:
+        atomic_write_text(Path(args.markdown), text)
+    return HEALTHY if result["healthy"] else FINDINGS
+
+
+def cli(argv: list[str] | None = None) -> int:
+    from core import cli as ending
+
+    return ending.run(lambda: main(argv), log, (ServingError,))
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

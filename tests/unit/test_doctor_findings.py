@@ -1,0 +1,97 @@
+"""serve.doctor's rules, each on the facts it reads; the engines' own behaviour they encode is written out here by hand
+from the engines' source (SGLang 0.5.23 ``models/deepseek_v2.py`` set_eagle3_layers_to_capture: ``+1`` to every id
+only when the first is 1; 0.5.10: ``+1`` to every id; ``arg_groups/speculative_hook.py``: 48 running requests when
+none is asked), not derived from core.layers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from core import layers
+from serve import doctor_findings as rules
+
+KIMI = "KimiK25ForConditionalGeneration"
+
+
+def _captured_by_sglang(written: list[int], version: str) -> list[int]:
+    """The decoder-layer outputs SGLang captures (the input of layer j is the output of layer j - 1)."""
+    if version == "0.5.23":
+        inputs = [w + 1 for w in written] if written[0] == 1 else list(written)
+    else:  # 0.5.10
+        inputs = [w + 1 for w in written]
+    return sorted(j - 1 for j in inputs)
+
+
+@pytest.mark.parametrize("version", ["0.5.10", "0.5.23"])
+@pytest.mark.parametrize("written", [[2, 30, 58], [1, 29, 57], [3, 9, 20]])
+def test_sglang_layer_reading_follows_each_versions_source(written, version):
+    assert layers.sglang_read_layer_ids(written, KIMI, version) == _captured_by_sglang(written, version)
+    assert layers.sglang_read_layer_ids(written, "LlamaForCausalLM", version) == sorted(written)
+
+
+def test_a_version_between_the_two_rules_is_not_guessed():
+    assert layers.sglang_read_layer_ids([2, 30, 58], KIMI, "0.5.15") is None
+    assert layers.sglang_read_layer_ids([1, 29, 57], KIMI, "0.5.15") == [1, 29, 57]  # both rules agree
+    assert layers.sglang_read_layer_ids([1, 29, 57], KIMI, "0.5.9") is None
+    assert layers.parse_version("0.5.23.post1") == (0, 5, 23) and layers.parse_version("main") is None
+
+
+def _drafter(tmp_path: Path, written: list[int], trained: list[int] | None, context: int = 4096) -> dict:
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["Eagle3DeepseekV2ForCausalLM"], "max_position_embeddings": context,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": written}}))
+    if trained is not None:
+        (tmp_path / "redraft.json").write_text(json.dumps({"serving_format": "sglang", "drafter": {
+            "aux_layer_ids": trained, "target_architecture": KIMI, "target_num_layers": 61}}))
+    return rules.drafter_facts(tmp_path)
+
+
+def test_the_kimi_export_read_one_layer_deep_by_0_5_10_is_found_with_the_ids_to_write(tmp_path):
+    d = _drafter(tmp_path, [2, 30, 58], [1, 29, 57])
+    assert rules.layer_finding("sglang", "0.5.23", d, None) is None
+    f = rules.layer_finding("sglang", "0.5.10", d, None)
+    assert f is not None and f.code == "layer-ids-misread"
+    assert "[2, 30, 58]" in f.evidence and "[1, 29, 57]" in f.fix  # the ids both versions read as trained
+    assert _captured_by_sglang([1, 29, 57], "0.5.10") == _captured_by_sglang([1, 29, 57], "0.5.23") == [1, 29, 57]
+
+
+def test_vllm_reads_input_of_layer_ids(tmp_path):
+    d = _drafter(tmp_path, [2, 30, 58], [1, 29, 57])
+    assert rules.layer_finding("vllm", "0.32.0", d, None) is None
+    d = _drafter(tmp_path, [1, 29, 57], [1, 29, 57])  # written in our convention: vLLM captures one layer short
+    f = rules.layer_finding("vllm", "0.32.0", d, None)
+    assert f is not None and "[0, 28, 56]" in f.evidence and "[2, 30, 58]" in f.fix
+
+
+def _sglang_running(mrr: int, launch: str, kv: int = 200_000) -> dict:
+    return {"info": {"speculative_algorithm": "EAGLE3", "max_running_requests": mrr, "version": "0.5.23",
+                     "launch_command": launch, "max_total_num_tokens": kv}, "tokens_per_request": 1000}
+
+
+def test_the_48_cap_is_found_only_when_nobody_asked_for_it_and_the_fix_fits_the_kv_budget():
+    f = rules.cap_finding("sglang", _sglang_running(48, "python -m sglang.launch_server --model-path m"), 64)
+    assert f is not None and f.code == "sglang-cap-48"
+    assert "--max-running-requests 100 " in f.fix  # 200,000 tokens / 2 / 1,000 per request
+    assert rules.cap_finding("sglang", _sglang_running(48, "... --max-running-requests 48"), 64) is None
+    assert rules.cap_finding("sglang", _sglang_running(128, ""), 64) is None
+    assert rules.cap_finding("vllm", _sglang_running(48, ""), 64) is None
+
+
+def test_context_and_acceptance_and_speed(tmp_path):
+    d = _drafter(tmp_path, [2, 30, 58], None, context=4096)
+    f = rules.context_finding({"info": {"context_length": 262144}}, d)
+    assert f is not None and "262144" in f.fix
+    assert rules.context_finding({"info": {"context_length": 4096}}, d) is None
+    low = [{"concurrency": 1, "accept_length": 1.3}]
+    assert rules.acceptance_finding(low, 3, None).code == "drafter-does-not-fit"
+    assert rules.acceptance_finding(low, 3, 2.4).code == "served-not-as-trained"
+    assert rules.acceptance_finding([{"concurrency": 1, "accept_length": 2.5}], 3, None) is None
+
+    def row(c, per, agg):
+        return {"concurrency": c, "per_stream_tok_s": {"ratio": per}, "aggregate_tok_s": {"ratio": agg}}
+    codes = [f.code for f in rules.speed_findings([row(1, 0.99, 0.99), row(8, 1.2, 1.1), row(64, 0.7, 0.6)])]
+    assert codes == ["no-gain-one-stream", "loses-at-concurrency"]
+    assert rules.speed_findings([row(1, 1.5, 1.5), row(8, 1.2, 1.1)]) == []
