@@ -73,3 +73,32 @@ def test_unknown_key_in_an_eval_config_is_refused(tmp_path):
     bad.write_text("format: sglang\nspeculative_steps: 3\n")
     with pytest.raises(ConfigError, match=r"export.yaml: unknown key 'speculative_steps'"):
         export.parse_options(["--config", str(bad), "RUN", "OUT"])
+
+
+def test_kimi_configs_hold_thinking_conversations():
+    """Kimi-K2.5's thinking conversations run 8K-64K tokens: the configs keep 32K of them whole, end to end."""
+    import eval.acceptance as acceptance
+    from core.dataset.format import bytes_per_token
+    from extract.config import parse_args
+    from extract.shard_plan import sample_bytes
+
+    extracts = [parse_args(["--config", str(KIMI / name)], validate=False) for name in ("extract.yaml",
+                                                                                        "extract-vllm.yaml")]
+    trains = [load_config(str(KIMI / name), ["--data", "d", "--out", "o"]) for name in ("train.yaml", "train-mla.yaml")]
+    ev = _parsed(acceptance, "eval.yaml", "RUN", "--data", "D")
+    length = extracts[0].max_length
+    assert length >= 32768
+    assert {e.max_length for e in extracts} == {t.max_length for t in trains} == {length}
+
+    for e in extracts:
+        assert e.max_new_tokens + 2048 <= length  # a reply and its prompt are stored whole, not cut
+        per_token = int(bytes_per_token(7168, 3, e.hidden_dtype, e.teacher, e.topk))
+        assert e.samples_per_shard * sample_bytes(length, per_token) <= e.shard_bytes  # the worst case fits a shard
+        assert e.batch_tokens >= length  # a whole sample in one capture batch
+    sglang = extracts[0]
+    assert sglang.backend == "sglang" and sglang.engine_args["context_length"] > length  # one prefill pass
+
+    for t in trains:
+        assert t.tokens_per_batch >= length  # a whole sample in one micro-batch
+        assert t.activation_checkpointing and t.attention_impl != "eager"  # 674 KiB a token kept, not 3,341
+    assert ev.batch_tokens >= length
