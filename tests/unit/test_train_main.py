@@ -77,7 +77,7 @@ def test_shipped_train_configs_load():
     assert (kimi.hidden_size, kimi.num_attention_heads, kimi.num_key_value_heads, kimi.head_dim,
             kimi.intermediate_size, kimi.draft_vocab_size, kimi.lr, kimi.ttt_steps, kimi.max_length,
             kimi.max_position_embeddings, kimi.dtype) == (
-        7168, 64, 64, 128, 18432, 32000, 5e-5, 7, 4096, 262144, "bf16")
+        7168, 64, 64, 128, 18432, 32000, 5e-5, 7, 32768, 262144, "bf16")
     mla = load_config(ROOT / "configs/kimi-k25/train-mla.yaml", ["--data", "d", "--out", "o"])
     assert (mla.drafter_attention, mla.hidden_size, mla.num_attention_heads, mla.q_lora_rank, mla.kv_lora_rank,
             mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim, mla.intermediate_size) == (
