@@ -40,18 +40,11 @@ from core.drafter.serving_format import serving_engines  # noqa: E402
 from core.engines.launch import ENGINES, export_engine  # noqa: E402
 from core.options import option  # noqa: E402
 from core.target_weights import text_config  # noqa: E402
+from pipeline.stages import StageError, run_stage  # noqa: E402
 from serve.tune import TuneOptions  # noqa: E402  (its options are passed on, not its code run)
 
 log = logging.getLogger("pipeline.tune")
 PROG = "python -m pipeline.tune"
-
-
-class StageError(RuntimeError):
-    """A stage's process failed; it has said why on stderr (or in its log, named here)."""
-
-    def __init__(self, message: str, code: int) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 @dataclass(kw_only=True)
@@ -89,27 +82,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ----------------------------------------------------------------------------- stages
-
-
-def run_stage(cmd: list[str], *, logfile: Path | None = None) -> None:
-    """``cmd`` (``python -m STAGE ...``) as its own process: its stdout passed on line by line (or into
-    ``logfile``), its stderr as is; StageError with its exit code when it fails."""
-    shown = " ".join(["python", *cmd[1:]])
-    log.info("running: %s", shown)
-    if logfile is not None:
-        logfile.parent.mkdir(parents=True, exist_ok=True)
-        with open(logfile, "w") as f:
-            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
-        if rc != 0:
-            tail = "\n".join("  " + s for s in logfile.read_text(errors="replace").splitlines()[-20:])
-            raise StageError(f"{shown} failed (exit {rc}; log {logfile}):\n{tail}", rc)
-        return
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) as proc:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            print(line, end="", flush=True)
-    if proc.returncode != 0:
-        raise StageError(f"{shown} failed (exit {proc.returncode}; its message is above)", proc.returncode)
 
 
 def drafter_config(opts: PipelineTuneOptions, target: Path) -> DrafterConfig:

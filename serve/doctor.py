@@ -15,7 +15,7 @@
    measured), and at most ``--max-seconds`` in all.
 4. The verdict (``serve.doctor_findings``): each finding with its evidence and the exact fix. ``--offline-tau``
    (τ of ``python -m eval.acceptance`` over the same kind of traffic) separates a drafter served wrongly from one
-   that does not fit.
+   that does not fit; ``python -m pipeline.doctor --target DIR`` computes it over the server's own replies.
 
 Exit status: 0 healthy (no finding), 3 findings, 2 cannot examine (bad options, an unreachable server, a probe past
 ``--max-seconds``); the probe's requests failing is a finding of its own.
@@ -151,7 +151,12 @@ def render(result: dict[str, Any]) -> str:
         per = "n/a" if lv["per_stream_tok_s"] is None else f"{lv['per_stream_tok_s']:.1f}"
         lines.append(f"| {lv['concurrency']} | {lv['ok']}/{lv['requests']} | {lv['aggregate_tok_s']:.1f} | {per} "
                      f"| {acc} |")
-    lines += ["", f"Speed: {result['probe']['speed']}.", ""]
+    lines += ["", f"Speed: {result['probe']['speed']}."]
+    if walk := result.get("offline_walk"):
+        lines.append(f"Offline walk over the server's own replies ({walk['samples']} samples, {walk['estimator']}): "
+                     f"{walk['tau']:.2f} tokens per verify round, the engine {walk['engine_tau_one_stream'] or 0:.2f} "
+                     "at one stream.")
+    lines.append("")
     if result["healthy"]:
         lines.append("Verdict: healthy (no finding).")
     else:

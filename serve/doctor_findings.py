@@ -148,9 +148,10 @@ def acceptance_finding(levels: list[dict[str, Any]], steps: Any, offline_tau: fl
                        "drafter was trained with (the findings above); the drafter itself is fine")
     if tau >= LOW_ACCEPT_LENGTH:
         return None
+    offline = "" if offline_tau is None else f"; {offline_tau:.2f} in the offline walk: served as trained, and low"
     return Finding("drafter-does-not-fit", "the drafter does not fit this target",
                    f"tokens per verify round at one stream: {tau:.2f} with {steps} draft steps (below "
-                   f"{LOW_ACCEPT_LENGTH}, where no draft pays)",
+                   f"{LOW_ACCEPT_LENGTH}, where no draft pays){offline}",
                    "retrain it on this target's own hidden states: python -m extract --target TARGET --data CHATS "
                    "--regenerate --out DATA, then accelerate launch train/main.py --data DATA --out CKPT "
                    "(docs/kimi-k25.md)")

@@ -23,6 +23,7 @@ MODULES = {"extract": "extract.__main__", "train": "train.main", "acceptance": "
            "export": "eval.export", "online": "eval.online", "engine_truth": "eval.engine_truth",
            "serving": "serve.bench", "tune": "serve.tune", "pipeline_tune": "pipeline.tune",
            "verify_engine": "eval.verify_engine", "doctor": "serve.doctor",
+           "pipeline_doctor": "pipeline.doctor",
            "verify": "extract.verify"}
 
 
@@ -108,6 +109,7 @@ def _cases(w: dict[str, Path]) -> list[tuple[str, str, list[str], str]]:
         ("engine_truth", "wrong kind of folder", ["ckpt", "--data", f], f"{f}/manifest.json"),
         ("engine_truth", "unknown config key", ["c", "--data", "d", "--config", bad], "bogus_key"),
         ("engine_truth", "bad value", ["c", "--data", "d", "--steps", "x"], "steps=['x']"),
+        ("engine_truth", "unknown bucket", ["c", "--data", "d", "--require-bucket", "4K"], "'4K': not a position bucket"),
         ("serving", "no such path", ["--prompts", "/no/such.jsonl", "--base", "http://127.0.0.1:9"], "/no/such.jsonl"),
         ("serving", "unknown config key", ["--config", bad], "bogus_key"),
         ("serving", "bad value", ["--concurrency", "0"], "concurrency=[0]"),
@@ -145,6 +147,11 @@ def _cases(w: dict[str, Path]) -> list[tuple[str, str, list[str], str]]:
         ("doctor", "unknown config key", ["--url", "u", "--config", bad], "bogus_key"),
         ("doctor", "bad value", ["--url", "u", "--concurrency", "0"], "concurrency=[0]"),
         ("doctor", "no server there", ["--url", "http://127.0.0.1:9", "--max-seconds", "20"], "127.0.0.1:9"),
+        ("pipeline_doctor", "missing option", ["--url", "u", "--out", out], "--target is required"),
+        ("pipeline_doctor", "a number it computes itself", ["--url", "u", "--target", t, "--out", out,
+                                                            "--offline-tau", "2"], "--offline-tau"),
+        ("pipeline_doctor", "no server there", ["--url", "http://127.0.0.1:9", "--target", t, "--out", out,
+                                                "--max-seconds", "20"], "127.0.0.1:9"),
     ]
 
 

@@ -95,3 +95,31 @@ def test_context_and_acceptance_and_speed(tmp_path):
     codes = [f.code for f in rules.speed_findings([row(1, 0.99, 0.99), row(8, 1.2, 1.1), row(64, 0.7, 0.6)])]
     assert codes == ["no-gain-one-stream", "loses-at-concurrency"]
     assert rules.speed_findings([row(1, 1.5, 1.5), row(8, 1.2, 1.1)]) == []
+
+
+def _walked(engine_tau: float, walk_tau: float, others: list[dict]) -> dict:
+    from pipeline.doctor import judge
+
+    result = {"running": {"speculative_num_steps": 3}, "findings": others, "healthy": not others,
+              "probe": {"levels": [{"concurrency": 1, "accept_length": engine_tau},
+                                   {"concurrency": 8, "accept_length": engine_tau}]}}
+    walk = {"samples": 8, "data": "d", "checkpoints": {"drafter": {"tau": walk_tau, "evaluation": "exact"}}}
+    return judge(result, walk)
+
+
+def test_the_offline_walk_decides_between_served_wrongly_and_does_not_fit():
+    """pipeline.doctor's verdict: the engine far below the walk is a deployment fault; both low is the drafter;
+    both high is healthy. The probe's own acceptance finding is replaced, every other finding kept."""
+    cap = {"code": "sglang-cap-48", "title": "t", "evidence": "e", "fix": "f"}
+    low = {"code": "drafter-does-not-fit", "title": "t", "evidence": "e", "fix": "f"}
+
+    wrong = _walked(1.1, 2.4, [cap, low])
+    assert [f["code"] for f in wrong["findings"]] == ["sglang-cap-48", "served-not-as-trained"]
+    assert "1.10 in the engine against 2.40 offline" in wrong["findings"][1]["evidence"]
+
+    unfit = _walked(1.2, 1.25, [low])
+    assert [f["code"] for f in unfit["findings"]] == ["drafter-does-not-fit"]
+    assert "1.25 in the offline walk" in unfit["findings"][0]["evidence"]
+
+    fine = _walked(2.3, 2.35, [])
+    assert fine["healthy"] and fine["offline_walk"]["engine_tau_one_stream"] == 2.3

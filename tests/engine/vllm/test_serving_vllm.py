@@ -149,3 +149,25 @@ def test_the_doctor_reads_the_server_and_finds_a_drafter_folder_read_one_layer_o
     (bad / "config.json").write_text(json.dumps(config))
     _, findings = examine(bad, "one-layer-off")
     assert str(sorted(written)) in findings["layer-ids-misread"]["fix"]
+
+
+def test_the_doctor_walks_the_servers_own_replies_offline(server, tmp_path):
+    """pipeline.doctor: the probe's prompts answered again by the same server, captured here from the target and
+    walked offline with the drafter. Served as trained, the walk's tokens per verify round equal the engine's at
+    one stream; this logit-lens drafter is poor, so where both are low the verdict is that it does not fit (and
+    never that it is served wrongly)."""
+    from pipeline import doctor as pipeline_doctor
+    from serve import doctor
+
+    srv, root = server
+    work = tmp_path / "work"
+    rc = pipeline_doctor.main(["--url", srv.url, "--target", str(smollm2_dir()), "--drafter", str(root / "export"),
+                               "--concurrency", "1", "--num-prompts", "3", "--max-tokens", "24", "--out", str(work)])
+    report = json.loads((work / "report.json").read_text())
+    walk = report["offline_walk"]
+    assert walk["samples"] == 3 and walk["estimator"] == "exact"
+    assert walk["tau"] == pytest.approx(walk["engine_tau_one_stream"], rel=0.02)
+    codes = {f["code"] for f in report["findings"]}
+    assert "served-not-as-trained" not in codes
+    assert ("drafter-does-not-fit" in codes) == (walk["tau"] < 1.6)
+    assert rc == (doctor.FINDINGS if report["findings"] else doctor.HEALTHY)
