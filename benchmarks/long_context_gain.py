@@ -37,44 +37,18 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from retrain_gain import BenchError, Stages, has_manifest  # noqa: E402
 
+from catalog.builtin import chitchat_records  # noqa: E402
+from catalog.long_chats import long_chats, transcripts  # noqa: E402
 from core.atomic import atomic_write_text  # noqa: E402
 
 log = logging.getLogger("long_context_gain")
 
-CHARS_PER_TOKEN = 4.0  # SmolLM2's tokenizer on chitchat's English, near enough to spread the prompt lengths
-REQUEST = "\n\nContinue the last conversation above for several more turns, in the same style."
-
-
-def chitchat_lines() -> list[str]:
-    """Every conversation of the embedded chitchat set as one transcript ("A: ..." / "B: ..." lines)."""
-    from catalog.builtin import resolve_data
-
-    out = []
-    with resolve_data("chitchat").open(encoding="utf-8") as f:
-        for line in f:
-            turns = json.loads(line).get("conversations") or []
-            text = "\n".join(f"{'AB'[i % 2]}: {str(t.get('value', '')).strip()}" for i, t in enumerate(turns))
-            if text:
-                out.append(text)
-    return out
-
-
-def long_chats(n: int, first: int, transcripts: list[str], max_prompt_tokens: int, out: Path) -> Path:
-    """``n`` chats, the i-th with a user turn of about (i + 0.5) / n * max_prompt_tokens tokens of transcripts
-    (taken in order from ``first``); written only when changed, so a rerun reuses the extraction."""
-    rows, cursor = [], first
-    for i in range(n):
-        want = (i + 0.5) / n * max_prompt_tokens * CHARS_PER_TOKEN
-        parts, size = [], 0
-        while size < want:
-            if cursor >= len(transcripts):
-                raise BenchError(f"chitchat has {len(transcripts)} conversations; {n} long chats need more")
-            parts.append(transcripts[cursor])
-            size += len(transcripts[cursor]) + 2
-            cursor += 1
-        prompt = "\n\n".join(parts)[: int(want)] + REQUEST
-        rows.append({"id": f"long-{first}-{i}", "source": "chitchat-joined",
-                     "conversations": [{"from": "human", "value": prompt}, {"from": "gpt", "value": "..."}]})
+def chats_file(count: int, first: int, texts: list[str], max_prompt_tokens: int, out: Path) -> Path:
+    """catalog.long_chats' chats as JSONL, written only when changed, so a rerun reuses the extraction."""
+    try:
+        rows = long_chats(count, first, texts, max_prompt_tokens)
+    except ValueError as e:
+        raise BenchError(str(e)) from None
     text = "".join(json.dumps(r) + "\n" for r in rows)
     if not out.is_file() or out.read_text() != text:
         atomic_write_text(out, text)
@@ -118,13 +92,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     work = args.out
     work.mkdir(parents=True, exist_ok=True)
     stages = Stages(work, args.threads)
-    transcripts = chitchat_lines()
+    texts = transcripts(chitchat_records())
     max_prompt = args.max_length - args.max_new_tokens - 64
     inputs = work / "inputs"
     inputs.mkdir(exist_ok=True)
-    train_in = long_chats(args.train_samples, 0, transcripts, max_prompt, inputs / "train.jsonl")
+    train_in = chats_file(args.train_samples, 0, texts, max_prompt, inputs / "train.jsonl")
     # the held-out chats start halfway through chitchat: no conversation of the training chats in them
-    eval_in = long_chats(args.eval_samples, len(transcripts) // 2, transcripts, max_prompt, inputs / "eval.jsonl")
+    eval_in = chats_file(args.eval_samples, len(texts) // 2, texts, max_prompt, inputs / "eval.jsonl")
     data = {"train": work / "data-train", "eval": work / "data-eval"}
     stages.run("extract-train", extract_cmd(args, train_in, data["train"]), has_manifest(data["train"]))
     stages.run("extract-eval", extract_cmd(args, eval_in, data["eval"]), has_manifest(data["eval"]))

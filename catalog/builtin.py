@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from catalog import long_chats
 from core.atomic import atomic_open
 
 logger = logging.getLogger(__name__)
@@ -95,7 +96,7 @@ BUILTIN_TARGETS: dict[str, BuiltinTarget] = {
     ),
 }
 
-BUILTIN_DATASETS = ("mtbench", "chitchat")
+BUILTIN_DATASETS = ("mtbench", "chitchat", "chitchat-long")
 # Not a file: user prompts the target writes during extraction (extract.self_prompts, `--data self`).
 SELF_DATA = "self"
 
@@ -342,6 +343,7 @@ def chitchat_records() -> list[dict[str, Any]]:
 _DATA_BUILDERS: dict[str, Callable[[], list[dict[str, Any]]]] = {
     "mtbench": mtbench_records,
     "chitchat": chitchat_records,
+    "chitchat-long": lambda: long_chats.builtin_records(chitchat_records()),  # catalog/long_chats.py
 }
 
 

@@ -29,9 +29,11 @@ if __package__ in (None, ""):
 
 from core import options
 from core.atomic import atomic_write_text  # noqa: E402
+from core.config import ConfigError
 from core.options import option
 from eval import acceptance, online  # noqa: E402
 from eval.acceptance_report import format_table  # noqa: E402
+from eval.engine_walk import POSITION_BUCKETS  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +44,7 @@ class Tolerances:
     rate_abs: float = 0.02
     min_samples: int = 32
     exact_per_request: bool = False  # every compared request: the engine's counts = the walk's, per position
+    require_bucket: str | None = None  # a position bucket (engine_walk.POSITION_BUCKETS) the walk must draft in
 
 
 def compare_requests(by_sample_walk: dict[str, dict[str, Any]], rows: Sequence[dict[str, Any]],
@@ -86,6 +89,14 @@ def compare(off: dict[str, Any], on: dict[str, Any], tol: Tolerances) -> dict[st
         "online_drafts": on["num_drafts"],
         "ok": not problems, "problems": problems,
     }
+
+
+def bucket_problem(off: dict[str, Any], bucket: str | None) -> str | None:
+    """A set meant to reach a position bucket that the walk never drafted in proves nothing about it."""
+    if bucket is None:
+        return None
+    rounds = ((off.get("engine_walk") or {}).get("tau_by_position") or {}).get(bucket, {}).get("rounds")
+    return None if rounds else f"no verify round drafted in positions {bucket}: the samples are too short for it"
 
 
 def lossless_problem(lossless: dict[str, int] | None) -> str | None:
@@ -181,6 +192,9 @@ def run(ckpt: str, data: str, steps: Sequence[int], tol: Tolerances, *, max_samp
         if problem := lossless_problem(c["lossless"]):
             c["problems"].append(problem)
             c["ok"] = False
+        if problem := bucket_problem(off, tol.require_bucket):
+            c["problems"].append(problem)
+            c["ok"] = False
         entry["offline"] = {kk: v for kk, v in off.items() if not kk.startswith("by_")}
         entry["comparison"] = c
         print(format_comparison(k, c, len(same), len(indices), engine, shape), flush=True)
@@ -214,6 +228,9 @@ class EngineTruthOptions:
     rate_tol: float = option(0.02, "absolute per-position tolerance", group="tolerances")
     exact_per_request: bool = option(False, "also fail unless every compared sample's drafts and accepted tokens per "
                                             "position are the engine's exactly", group="tolerances")
+    require_bucket: str | None = option(None, "also fail unless the offline walk counts verify rounds drafted in this "
+                                              "position bucket (0-4K, 4K-16K, 16K+): a long set that is long",
+                                        group="tolerances")
     json: str | None = option(None, "write everything as JSON", group="output")
     markdown: str | None = option(None, "write the side-by-side table as Markdown", group="output")
 
@@ -236,7 +253,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_options(argv)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    tol = Tolerances(args.tau_tol, args.rate_tol, args.min_samples, args.exact_per_request)
+    if args.require_bucket is not None and args.require_bucket not in dict(POSITION_BUCKETS):
+        raise ConfigError(f"--require-bucket {args.require_bucket!r}: not a position bucket "
+                          f"({', '.join(name for name, _ in POSITION_BUCKETS)})")
+    tol = Tolerances(args.tau_tol, args.rate_tol, args.min_samples, args.exact_per_request, args.require_bucket)
     res = run(args.checkpoint, args.data, args.steps or [3], tol, max_samples=args.max_samples,
               speed_samples=args.speed_samples, engine_python=args.engine_python, target=args.target,
               engine=args.engine, topk=args.topk, num_draft_tokens=args.num_draft_tokens)

@@ -44,7 +44,8 @@ class ExtractConfig:
                            "architecture in miniature, built on first use) or a local Hugging Face folder.")
     data: list[str] = _io(
         [],
-        "Input data: JSONL/JSON/Parquet files, datasets folders, or built-in names (mtbench, chitchat, and self: "
+        "Input data: JSONL/JSON/Parquet files, datasets folders, or built-in names (mtbench, chitchat, chitchat-long: "
+        "long chats of joined chitchat transcripts, and self: "
         "user prompts the target writes itself, see --self-*, needs --regenerate). "
         "Repeat the flag or separate with commas.",
     )

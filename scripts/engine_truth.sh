@@ -15,6 +15,9 @@
 #               engine walk on the first ${ENGINE_TRUTH_SAMPLES:-24} samples whose stored answer the engine reproduces
 #               token for token (>= ${ENGINE_TRUTH_MIN_SAMPLES:-18} required); fails when tau differs by > 2% or a
 #               per-position rate by > 0.02
+#   4b. long    2 chats of ~1.6K and ~4.7K prompt tokens (catalog/long_chats.py, configs/engine-truth/long.yaml), replies
+#               by the target through vLLM: vLLM's counters vs the walk with the same tolerances, the walk's
+#               rounds past position 4,096 required (--require-bucket 4K-16K); ENGINE_TRUTH_LONG=0 skips it
 # The Kimi lane (kimi-k25-mini, the Kimi-K2.5-shaped MLA MoE, built into $REDRAFT_CACHE; an MLA drafter):
 #   5. k-data   256 chitchat openings answered by the target through vLLM (configs/engine-truth/kimi-train.yaml)
 #   6. k-eval   48 MT-bench first turns answered by the target through vLLM (configs/engine-truth/kimi-mtbench.yaml)
@@ -166,6 +169,16 @@ smollm2_lane() {
         --speed-samples "${ENGINE_TRUTH_SPEED_SAMPLES:-4}" \
         --json "$WORK/engine-truth.json" --markdown "$WORK/engine-truth.md"
     done_phase compare
+    [ "${ENGINE_TRUTH_LONG:-1}" = 1 ] && smollm2_long
+    return 0
+}
+
+smollm2_long() {  # the long set: vLLM's counters past position 4,096 (configs/engine-truth/long.yaml)
+    CURRENT=long; phase "4b/8 long chats (~1.6K and ~4.7K prompt tokens): vLLM online vs offline walk ($WORK/long)"
+    locked long extract_once long configs/engine-truth/long.yaml "$WORK/long"
+    "$PY" -m eval.engine_truth "$DRAFTER" --data "$WORK/long" --steps 3 --min-samples 2 --speed-samples 0 \
+        --require-bucket 4K-16K --json "$WORK/engine-truth-long.json" --markdown "$WORK/engine-truth-long.md"
+    done_phase long
 }
 
 sglang_venv() {  # the SGLang CPU venv, built once (the SGLang and the kinds lanes use it)

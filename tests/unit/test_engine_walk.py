@@ -153,3 +153,16 @@ def test_tau_by_position_bucket_counts_each_round_where_it_drafts():
     assert [buckets[name]["rounds"] for name in ("0-4K", "4K-16K", "16K+")] == [len(low), len(mid), len(high)]
     assert buckets["0-4K"]["tau"] == 3.0 and buckets["4K-16K"]["tau"] == 2.0 and buckets["16K+"]["tau"] == 1.0
     assert sum(b["rounds"] for b in buckets.values()) == st.rounds
+
+
+def test_a_set_meant_to_be_long_fails_when_no_round_drafts_past_its_bucket():
+    """eval.engine_truth --require-bucket: the long set's check that it reaches the positions it is for."""
+    from eval.engine_truth import bucket_problem
+
+    ids = torch.arange(600) % 97
+    loss_mask = torch.zeros(600, dtype=torch.long)
+    loss_mask[100:] = 1
+    st = ew.walk_accepted(torch.ones(600, dtype=torch.long), ids, torch.roll(ids, -1), loss_mask, steps=3)
+    off = {"engine_walk": {"tau_by_position": st.tau_by_position()}}
+    assert bucket_problem(off, "0-4K") is None and bucket_problem(off, None) is None
+    assert "positions 4K-16K" in bucket_problem(off, "4K-16K")
