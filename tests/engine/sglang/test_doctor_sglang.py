@@ -3,12 +3,14 @@ kernels) speculating with the SmolLM2 logit-lens drafter, started with no --max-
 from SGLang's defaults. The doctor must read the engine, its version and the drafter folder from the server's own
 /server_info, find the cap of 48 running requests (set by SGLang when it speculates, not asked for on the launch
 line) and size the fix from the server's own KV budget; the drafter's layer ids are the ones this version reads
-as trained, so no layer finding. One server start, a few short requests.
+as trained, so no layer finding. A copy of the drafter's folder that says it drafts fewer positions than the server
+serves is found with the length to write. One server start, a few short requests.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 
 from helpers_embedded import sglang_venv_python, smollm2_dir, smollm2_logit_lens_drafter
 
@@ -28,9 +30,18 @@ def test_the_doctor_finds_sglangs_cap_of_48_on_a_live_server(tmp_path, capsys):
               "speculative_algorithm": "EAGLE3", "speculative_draft_model_path": str(export),
               "speculative_num_steps": STEPS, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": STEPS + 1}
     out = tmp_path / "doctor.json"
+    short = tmp_path / "short-context"  # the served drafter's folder, saying it drafts 512 of the 1,024 positions
+    shutil.copytree(export, short)
+    config = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 512}))
     with SGLangServer(kwargs, python=py) as srv:
         rc = doctor.main(["--url", srv.url, "--tokenizer", str(smollm2_dir()), "--concurrency", "1",
                           "--num-prompts", "2", "--max-tokens", "16", "--max-seconds", "300", "--json", str(out)])
+        assert doctor.main(["--url", srv.url, "--drafter", str(short), "--concurrency", "1", "--num-prompts", "1",
+                            "--max-tokens", "8", "--json", str(tmp_path / "short.json")]) == doctor.FINDINGS
+    short_findings = {f["code"]: f for f in json.loads((tmp_path / "short.json").read_text())["findings"]}
+    assert "1,024" in short_findings["context-length"]["evidence"]
+    assert "set max_position_embeddings to 1024" in short_findings["context-length"]["fix"]
     result = json.loads(out.read_text())
     running = result["running"]
     assert result["engine"] == "sglang" and running["version"].startswith("0.5.23")

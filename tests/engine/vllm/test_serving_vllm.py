@@ -117,8 +117,9 @@ def test_naming_the_wrong_engine_is_an_error(server, capsys):
 
 def test_the_doctor_reads_the_server_and_finds_a_drafter_folder_read_one_layer_off(server, tmp_path):
     """serve.doctor on the same server: the engine, its version and steps from its own endpoints, the probe's
-    acceptance from its counters; the exported drafter's ids are read by vLLM as trained (no layer finding), and a
-    copy whose ids are one layer off is found, with the ids to write."""
+    acceptance from its counters; the exported drafter's ids are read by vLLM as trained (no layer finding), a copy
+    whose ids are one layer off is found, with the ids to write, and a copy with a shorter context than the
+    server's, with the length to write."""
     import shutil
 
     from serve import doctor
@@ -149,6 +150,15 @@ def test_the_doctor_reads_the_server_and_finds_a_drafter_folder_read_one_layer_o
     (bad / "config.json").write_text(json.dumps(config))
     _, findings = examine(bad, "one-layer-off")
     assert str(sorted(written)) in findings["layer-ids-misread"]["fix"]
+
+    short = tmp_path / "short-context"  # a drafter folder that says it drafts 512 positions where vLLM serves 1,024
+    shutil.copytree(export, short)
+    config = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 512}))
+    _, findings = examine(short, "short-context")
+    assert "1,024" in findings["context-length"]["evidence"] and "set max_position_embeddings to 1024" in \
+        findings["context-length"]["fix"]
+    assert "layer-ids-misread" not in findings
 
 
 def test_the_doctor_walks_the_servers_own_replies_offline(server, tmp_path):
