@@ -168,6 +168,24 @@ SGLANG_SHIFT_ALWAYS = (0, 5, 10)  # the version known to add 1 to every id
 SGLANG_SHIFT_FIRST_IS_1 = (0, 5, 23)  # from this version on: add 1 only when the first id is 1
 
 
+# The engine versions whose reading of a drafter's ids is known here (from each version's source), which an export
+# records it was checked against: SGLang's two rules above; vLLM reads input-of-layer ids in the versions its tests
+# serve (0.32 on the CPU, 0.33 in the loader checks).
+CHECKED_VERSIONS = {"sglang": ("0.5.10", "0.5.23"), "vllm": ("0.32", "0.33")}
+
+
+def versions_reading(written: Sequence[int], engine: str, architecture: str, trained: Sequence[int]) -> dict[str, bool]:
+    """Per engine version of :data:`CHECKED_VERSIONS`: does it capture the layers ``trained`` (our convention) for a
+    drafter config that asks ``written``?"""
+    _check_engine(engine)
+    out = {}
+    for version in CHECKED_VERSIONS[engine]:
+        read = (sglang_read_layer_ids(written, architecture, version) if engine == "sglang"
+                else from_engine_layer_ids(written, engine, architecture))
+        out[version] = read is not None and read == sorted(int(i) for i in trained)
+    return out
+
+
 def parse_version(text: str | None) -> tuple[int, ...] | None:
     """(0, 5, 23) from "0.5.23", "0.5.23.post1" or "v0.5.23rc0"; None when it is not a version."""
     m = re.match(r"v?(\d+)\.(\d+)(?:\.(\d+))?", str(text or "").strip())

@@ -62,7 +62,7 @@ from core.engines.launch import (  # noqa: F401
     sglang_command,
     vllm_command,
 )
-from core.layers import to_engine_layer_ids
+from core.layers import to_engine_layer_ids, versions_reading
 from core.options import option
 from core.target_weights import text_config, weight_key_candidates
 
@@ -331,6 +331,11 @@ def export_checkpoint(ecfg: ExportConfig) -> ExportResult:
         command = launch_command(ecfg.format, target_str or "<TARGET>", str(out.resolve()), plan)
     except LaunchError as e:
         raise ExportError(str(e)) from None
+    checked = versions_reading(engine_layer_ids(config), ecfg.format, cfg.target_architecture, cfg.aux_layer_ids)
+    if not all(checked.values()):
+        log.warning("%s versions %s capture other layers than the drafter was trained on for ids %s (serve %s)",
+                    ecfg.format, [v for v, ok in checked.items() if not ok], engine_layer_ids(config),
+                    [v for v, ok in checked.items() if ok])
     export_record = {
         "format": "redraft-export",
         "serving_format": ecfg.format,
@@ -342,6 +347,8 @@ def export_checkpoint(ecfg: ExportConfig) -> ExportResult:
         "dataset": record.get("dataset"),
         "target_path": target_str,
         "engine_layer_ids": engine_layer_ids(config),
+        # which engine versions capture the trained layers for these ids (core.layers: each version's rule)
+        "layer_ids_checked_for": checked,
         "command": command,
         "drafter": cfg.to_dict(),
     }

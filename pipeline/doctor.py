@@ -66,6 +66,8 @@ class PipelineDoctorOptions(DoctorOptions):
     max_length: int = option(4096, "longest prompt + reply captured", group="offline walk")
 
     def validate(self) -> None:
+        if self.before_launch is not None:
+            raise ConfigError("--before-launch: no server to walk; run python -m serve.doctor --before-launch")
         super().validate()
         if self.offline_tau is not None:
             raise ConfigError("--offline-tau: this command computes the offline walk itself (python -m serve.doctor "

@@ -17,6 +17,10 @@
    (τ of ``python -m eval.acceptance`` over the same kind of traffic) separates a drafter served wrongly from one
    that does not fit; ``python -m pipeline.doctor --target DIR`` computes it over the server's own replies.
 
+``--before-launch DRAFTER_DIR --engine sglang|vllm [--engine-version V] [--context-length N]``: the static checks
+of point 2 with no server (the ids as that version reads them, or as every version known here reads them); what
+``slurm/serve.sh`` and ``serve.tune`` run before they launch a server.
+
 Exit status: 0 healthy (no finding), 3 findings, 2 cannot examine (bad options, an unreachable server, a probe past
 ``--max-seconds``); the probe's requests failing is a finding of its own.
 """
@@ -49,7 +53,8 @@ PROG = "python -m serve.doctor"
 class DoctorOptions:
     """The options of python -m serve.doctor (core.options)."""
 
-    url: str = option(help="the speculative server to examine (SGLang or vLLM), e.g. http://host:30000", group="server")
+    url: str | None = option(None, "the speculative server to examine (SGLang or vLLM), e.g. http://host:30000",
+                             group="server")
     base_url: str | None = option(None, "a server of the same target without a drafter: the probe measures the "
                                         "speed-up against it (else no speed is judged)", group="server")
     drafter: str | None = option(None, "the drafter folder the server loads (default: the path the server reports, "
@@ -66,10 +71,26 @@ class DoctorOptions:
     max_seconds: float = option(300.0, "the whole probe's time limit", group="probe")
     offline_tau: float | None = option(None, "the drafter's τ offline on this kind of traffic (eval.acceptance)",
                                        group="probe")
+    before_launch: str | None = option(None, "no server: the static checks of this drafter folder for --engine "
+                                             "(slurm/serve.sh and serve.tune run them before they launch)",
+                                       group="before a launch")
+    engine: str | None = option(None, "--before-launch: the engine that will serve it", group="before a launch",
+                                choices=("sglang", "vllm"))
+    engine_version: str | None = option(None, "--before-launch: its version (default: every version whose reading "
+                                              "of layer ids is known here)", group="before a launch")
+    context_length: int | None = option(None, "--before-launch: the context the server will serve",
+                                        group="before a launch")
     json: str | None = option(None, "write the findings and the evidence as JSON here", group="output")
     markdown: str | None = option(None, "write them as Markdown here", group="output")
 
     def validate(self) -> None:
+        if (self.url is None) == (self.before_launch is None):
+            raise ConfigError("give --url URL (a running server) or --before-launch DRAFTER_DIR (no server), one of them")
+        if self.before_launch is not None:
+            if self.engine is None:
+                raise ConfigError("--before-launch: --engine sglang|vllm is required (the engine that will serve it)")
+            if not (Path(self.before_launch) / "config.json").is_file():
+                raise ConfigError(f"--before-launch {self.before_launch}: no config.json (not a drafter folder)")
         if not self.concurrency or min(self.concurrency) < 1:
             raise ConfigError(f"concurrency={self.concurrency}: expected positive integers")
         if self.num_prompts < 1 or self.max_tokens < 1 or self.max_seconds <= 0:
@@ -132,6 +153,30 @@ def examine(args: DoctorOptions) -> dict[str, Any]:
             "findings": [f.to_dict() for f in findings], "healthy": not findings}
 
 
+def check_before_launch(args: DoctorOptions) -> dict[str, Any]:
+    """The drafter folder's static checks for the engine (and version) that will serve it: no server yet."""
+    drafter = rules.drafter_facts(Path(args.before_launch))
+    running = {"info": {"context_length": args.context_length}}
+    checks = [rules.layer_finding(args.engine, args.engine_version, drafter, args.target_architecture),
+              rules.context_finding(running, drafter)]
+    findings = [f.to_dict() for f in checks if f is not None]
+    return {"before_launch": args.before_launch, "engine": args.engine, "engine_version": args.engine_version,
+            "drafter": drafter, "findings": findings, "healthy": not findings}
+
+
+def render_before_launch(result: dict[str, Any]) -> str:
+    d = result["drafter"]
+    lines = [f"# serve.doctor --before-launch {result['before_launch']} ({result['engine']} "
+             f"{result['engine_version'] or 'every version known here'})",
+             f"- layer ids {d['written_layer_ids']} (trained on {d['trained_layer_ids'] or 'unknown: not a redraft export'}),"
+             f" context {d['max_position_embeddings']}"]
+    if result["healthy"]:
+        return "\n".join([*lines, "", "Verdict: ready to launch (no finding)."]) + "\n"
+    for f in result["findings"]:
+        lines += ["", f"## {f['title']} ({f['code']})", f"- evidence: {f['evidence']}", f"- fix: {f['fix']}"]
+    return "\n".join(lines) + "\n"
+
+
 def _running_summary(info: dict[str, Any]) -> dict[str, Any]:
     """What the server reported, the fields it has (SGLang's /server_info or vLLM's endpoints, via serve.bench)."""
     return {k: v for k, v in info.items() if v is not None}
@@ -168,8 +213,12 @@ def render(result: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = options.parse(DoctorOptions, argv, prog=PROG, description=__doc__.split("\n\n")[0])
-    result = examine(args)
-    text = render(result)
+    if args.before_launch is not None:
+        result = check_before_launch(args)
+        text = render_before_launch(result)
+    else:
+        result = examine(args)
+        text = render(result)
     print(text, end="")
     if args.json:
         atomic_write_text(Path(args.json), json.dumps(result, indent=1, default=str) + "\n")

@@ -93,6 +93,8 @@ def layer_finding(engine: str, version: str | None, drafter: dict[str, Any], tar
     arch = target_arch or drafter.get("target_architecture")
     if not written or not arch:
         return None
+    if engine == "sglang" and version is None:  # before a launch, the version unknown: every version known here
+        return _every_version_finding(written, trained, arch, drafter["folder"]) if trained is not None else None
     if engine == "sglang":
         read = layers.sglang_read_layer_ids(written, arch, version)
     else:
@@ -110,6 +112,21 @@ def layer_finding(engine: str, version: str | None, drafter: dict[str, Any], tar
                    f"was trained on layers {sorted(trained)} (redraft.json)",
                    f"set eagle_aux_hidden_state_layer_ids to {want} in {drafter['folder']}/config.json (or re-export "
                    "for this engine version) and restart the server")
+
+
+def _every_version_finding(written: list[int], trained: list[int], arch: str, folder: str) -> Finding | None:
+    """The SGLang versions whose rule is known here that would capture other layers than ``trained``."""
+    checked = layers.versions_reading(written, "sglang", arch, trained)
+    wrong = [v for v, ok in checked.items() if not ok]
+    if not wrong:
+        return None
+    return Finding("layer-ids-misread", f"SGLang {' and '.join(wrong)} would capture other layers than the drafter "
+                   "was trained on",
+                   f"config.json asks {written} for a {arch} target; the drafter was trained on layers "
+                   f"{sorted(trained)} (redraft.json); read as trained only by "
+                   f"{' and '.join(v for v, ok in checked.items() if ok) or 'none of them'}",
+                   f"set eagle_aux_hidden_state_layer_ids to {_ids_for('sglang', None, trained, arch)} in "
+                   f"{folder}/config.json (read alike by SGLang {' and '.join(checked)})")
 
 
 def _ids_for(engine: str, version: str | None, ours: list[int], arch: str) -> list[int]:

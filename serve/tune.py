@@ -55,8 +55,10 @@ from core import options  # noqa: E402
 from core.config import ConfigError  # noqa: E402
 from core.engines.driver_protocol import EngineError  # noqa: E402
 from core.engines.launch import ENGINES, engine_interpreter, export_engine  # noqa: E402
+from core.engines.sglang import installed_version  # noqa: E402
 from core.options import option  # noqa: E402
 from serve import cost_model  # noqa: E402
+from serve import doctor_findings as rules  # noqa: E402
 from serve.repeats import (  # noqa: E402
     BASE,
     Job,
@@ -167,6 +169,17 @@ def engine_location(engine: str, python: str | None) -> tuple[str, str]:
         raise TuneError(str(e)) from None
 
 
+def check_before_launch(engine: str, python: str, export: Path, max_model_len: int) -> None:
+    """The doctor's static checks of the export for this engine's version (serve.doctor --before-launch): a sweep
+    of a drafter the engine would read at other layers, or serve past its context, measures nothing."""
+    version = installed_version(python) if engine == "sglang" else None
+    drafter = rules.drafter_facts(export)
+    for finding in (rules.layer_finding(engine, version, drafter, None),
+                    rules.context_finding({"info": {"context_length": max_model_len}}, drafter)):
+        if finding is not None:
+            raise TuneError(f"EXPORT {export}: {finding.title} ({finding.evidence}); fix: {finding.fix}")
+
+
 # ----------------------------------------------------------------------------- stages
 
 
@@ -258,6 +271,7 @@ def run(cfg: TuneOptions, argv: Sequence[str]) -> dict[str, Any]:
     target = str(resolve_target(cfg.target))
     engine, exports = read_exports(cfg)
     python, where = engine_location(engine, cfg.engine_python)
+    check_before_launch(engine, python, Path(exports[engine]), cfg.max_model_len)
     try:
         traffic = read_traffic(Path(cfg.data), cfg.num_prompts)
         off = read_offline(Path(cfg.offline), traffic, max(cfg.chains()))

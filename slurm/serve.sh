@@ -138,18 +138,16 @@ PY
     log "WARNING: --max-running-requests $MAX_RUNNING_REQUESTS: concurrency above it queues (SGLang's speculative default is 48)"
   fi
   if [[ -f "$DRAFT/config.json" ]]; then
-    "$PYTHON" - "$DRAFT/config.json" "${CONTEXT_LENGTH:-262144}" <<'PY' >&2 || true
-import json, sys
-cfg, ctx = json.load(open(sys.argv[1])), int(sys.argv[2])
-ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-print(f"[slurm/serve.sh] drafter {cfg.get('architectures')}, aux layer ids {ids}, "
-      f"max_position_embeddings {cfg.get('max_position_embeddings')}")
-if ids is None:
-    print("[slurm/serve.sh] WARNING: no eagle_config.eagle_aux_hidden_state_layer_ids: SGLang falls back to its defaults")
-if (cfg.get("max_position_embeddings") or 0) < ctx:
-    print(f"[slurm/serve.sh] WARNING: drafter max_position_embeddings < context length {ctx}: SGLang refuses to start "
-          "unless --context-length is lowered or SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1")
-PY
+    # The doctor's static checks (python -m serve.doctor --before-launch): the ids as this SGLang reads them (every
+    # version known to redraft when its SGLang is not installed, as in --dry-run) and the context. A finding stops
+    # a launch: the server would start and serve the drafter at other layers, or SGLang would refuse the context.
+    SGLANG_VERSION=$("$PYTHON" -c "import importlib.metadata as m; print(m.version('sglang'))" 2>/dev/null || true)
+    DOCTOR=("$PYTHON" -m serve.doctor --before-launch "$DRAFT" --engine sglang --context-length "${CONTEXT_LENGTH:-262144}")
+    [[ -n "$SGLANG_VERSION" ]] && DOCTOR+=(--engine-version "$SGLANG_VERSION")
+    if ! (cd "$REPO" && "${DOCTOR[@]}") >&2; then
+      [[ "$DRY_RUN" == 1 ]] || die "the drafter folder $DRAFT would not be served as trained (serve.doctor above)"
+      log "warning: serve.doctor found the above; a launch would stop here"
+    fi
   else
     log "warning: $DRAFT/config.json not found (fine for --dry-run; the server will fail to start)"
   fi

@@ -123,3 +123,36 @@ def test_the_offline_walk_decides_between_served_wrongly_and_does_not_fit():
 
     fine = _walked(2.3, 2.35, [])
     assert fine["healthy"] and fine["offline_walk"]["engine_tau_one_stream"] == 2.3
+
+
+def test_before_launch_checks_a_drafter_folder_without_a_server(tmp_path, capsys):
+    """serve.doctor --before-launch (what slurm/serve.sh and serve.tune run): the ids as the named version reads
+    them, or as every SGLang version known here reads them; the context against the one to be served."""
+    from serve import doctor
+
+    _drafter(tmp_path, [2, 30, 58], [1, 29, 57], context=262144)
+
+    def check(*extra: str) -> int:
+        return doctor.main(["--before-launch", str(tmp_path), "--engine", "sglang", *extra])
+
+    assert check("--engine-version", "0.5.23") == doctor.HEALTHY and "ready to launch" in capsys.readouterr().out
+    assert check("--engine-version", "0.5.10") == doctor.FINDINGS
+    assert check() == doctor.FINDINGS  # 0.5.10 is among the versions known here
+    assert "SGLang 0.5.10 would capture other layers" in capsys.readouterr().out
+    assert check("--context-length", "300000", "--engine-version", "0.5.23") == doctor.FINDINGS
+    assert "context-length" in capsys.readouterr().out
+    _drafter(tmp_path, [1, 29, 57], [1, 29, 57], context=262144)
+    assert check() == doctor.HEALTHY  # read alike by 0.5.10 and 0.5.23
+
+
+def test_serve_tune_refuses_to_sweep_an_export_its_engine_would_misread(tmp_path):
+    from serve.tune import TuneError, check_before_launch
+
+    _drafter(tmp_path, [1, 29, 57], [1, 29, 57], context=8192)  # our ids written as they are: vLLM reads them short
+    with pytest.raises(TuneError, match=r"captures other layers.*\[2, 30, 58\]"):
+        check_before_launch("vllm", "python", tmp_path, 4096)
+    _drafter(tmp_path, [2, 30, 58], [1, 29, 57], context=2048)
+    with pytest.raises(TuneError, match="context is shorter"):
+        check_before_launch("vllm", "python", tmp_path, 4096)
+    _drafter(tmp_path, [2, 30, 58], [1, 29, 57], context=8192)
+    check_before_launch("vllm", "python", tmp_path, 4096)

@@ -251,6 +251,7 @@ def test_export_layout_and_bf16_weights(tmp_path):
     assert record["serving_format"] == "sglang" and record["source"] == str(src.resolve())
     assert record["dataset"] == RECORD["dataset"] and record["source_step"] == 7
     assert record["drafter"]["torch_dtype"] == "bfloat16"
+    assert record["layer_ids_checked_for"] == {"0.5.10": True, "0.5.23": True}  # the SGLang versions read as trained
     assert "python -m sglang.launch_server" in (out / "README.md").read_text()
 
 

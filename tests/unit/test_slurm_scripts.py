@@ -157,7 +157,7 @@ def test_serve_eagle3_dry_run(tmp_path):
     assert (_opt(argv, "--speculative-num-steps"), _opt(argv, "--speculative-eagle-topk"),
             _opt(argv, "--speculative-num-draft-tokens")) == ("3", "1", "4")
     assert _opt(argv, "--max-running-requests") == "256" and _opt(argv, "--cuda-graph-max-bs") == "256"
-    assert "aux layer ids [2, 30, 58]" in run.stderr and "WARNING" not in run.stderr
+    assert "layer ids [2, 30, 58]" in run.stderr and "ready to launch" in run.stderr and "warning" not in run.stderr
 
 
 def test_serve_reads_the_export_settings_and_passes_extras(tmp_path):
@@ -181,7 +181,26 @@ def test_serve_reads_the_export_settings_and_passes_extras(tmp_path):
     assert _opt(shlex.split(run.stdout.strip()), "--speculative-num-steps") == "2"
     assert _opt(argv, "--max-running-requests") == "512" and _opt(argv, "--cuda-graph-max-bs") == "160"
     assert argv[-2:] == ["--mem-fraction-static", "0.85"]
-    assert "max_position_embeddings < context length 262144" in run.stderr
+    assert "the server serves 262,144 tokens" in run.stderr and "a launch would stop here" in run.stderr
+
+
+def test_serve_stops_before_a_launch_that_would_read_the_drafter_at_other_layers(tmp_path):
+    """The doctor's static check (serve.doctor --before-launch): a Kimi-K2.5 export trained on layers [1, 29, 57]
+    whose config.json asks [2, 30, 58] is read one layer deep by SGLang 0.5.10; with no SGLang installed every
+    version known to redraft is checked, so the launch stops with the ids read alike by all of them."""
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLMEagle3"], "max_position_embeddings": 262144,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 30, 58]}}))
+    (draft / "redraft.json").write_text(json.dumps({"format": "redraft-export", "drafter": {
+        "aux_layer_ids": [1, 29, 57], "target_architecture": "KimiK25ForConditionalGeneration",
+        "target_num_layers": 61}}))
+    run = _run("serve.sh", ["--draft", str(draft), "--target", "/models/K25"], _clean_env(tmp_path))
+    assert run.returncode != 0 and "would not be served as trained" in run.stderr
+    assert "SGLang 0.5.10 would capture other layers" in run.stderr and "[1, 29, 57]" in run.stderr
+    dry = _run("serve.sh", ["--dry-run", "--draft", str(draft), "--target", "/models/K25"], _clean_env(tmp_path))
+    assert dry.returncode == 0 and "a launch would stop here" in dry.stderr
 
 
 def test_serve_topk1_forces_steps_plus_one_and_warns_at_48(tmp_path):
