@@ -45,7 +45,7 @@ from core.config import ConfigError  # noqa: E402
 from core.drafter.folder import CheckpointError, load_drafter_checkpoint  # noqa: E402
 from core.options import option  # noqa: E402
 from core.target_weights import text_config  # noqa: E402
-from pipeline.stages import StageError, run_stage  # noqa: E402
+from pipeline.stages import StageError, run_command, run_stage  # noqa: E402
 from serve import doctor_findings as rules  # noqa: E402
 from serve.doctor import FINDINGS, HEALTHY, DoctorOptions, render  # noqa: E402
 
@@ -163,26 +163,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = judge(result, json.loads((out / "offline.json").read_text()))
     text = render(report)
     print(text, end="")
-    for path, body in ((out / "report.json", json.dumps(report, indent=1, default=str) + "\n"),
-                       (out / "report.md", text), (opts.json, None), (opts.markdown, None)):
+    bodies = {"json": json.dumps(report, indent=1, default=str) + "\n", "md": text}
+    for path, kind in ((out / "report.json", "json"), (out / "report.md", "md"), (opts.json, "json"),
+                       (opts.markdown, "md")):
         if path is not None:
-            atomic_write_text(Path(path), body if body is not None else
-                              (json.dumps(report, indent=1, default=str) + "\n" if path == opts.json else text))
+            atomic_write_text(Path(path), bodies[kind])
     return HEALTHY if report["healthy"] else FINDINGS
 
 
 def cli(argv: list[str] | None = None) -> int:
     """The command line: a mistake is one line and exit 2; a failed stage ends with that stage's exit code."""
-    from core import cli as ending
-
-    def body() -> int:
-        try:
-            return main(argv)
-        except StageError as e:
-            log.error("%s", e)
-            return e.code
-
-    return ending.run(body, log)
+    return run_command(main, argv, log)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import subprocess
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
 log = logging.getLogger("pipeline")
@@ -38,3 +38,18 @@ def run_stage(cmd: list[str], *, logfile: Path | None = None, ok_codes: Collecti
     if proc.returncode not in ok_codes:
         raise StageError(f"{shown} failed (exit {proc.returncode}; its message is above)", proc.returncode)
     return proc.returncode
+
+
+def run_command(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None, logger: logging.Logger) -> int:
+    """A pipeline command's end, as core.cli ends every command (a mistake: one line and exit 2), and a failed
+    stage: its message and that stage's exit code."""
+    from core import cli as ending
+
+    def body() -> int:
+        try:
+            return main(argv)
+        except StageError as e:
+            logger.error("%s", e)
+            return e.code
+
+    return ending.run(body, logger)

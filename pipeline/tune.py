@@ -40,7 +40,7 @@ from core.drafter.serving_format import serving_engines  # noqa: E402
 from core.engines.launch import ENGINES, export_engine  # noqa: E402
 from core.options import option  # noqa: E402
 from core.target_weights import text_config  # noqa: E402
-from pipeline.stages import StageError, run_stage  # noqa: E402
+from pipeline.stages import run_command, run_stage  # noqa: E402
 from serve.tune import TuneOptions  # noqa: E402  (its options are passed on, not its code run)
 
 log = logging.getLogger("pipeline.tune")
@@ -172,16 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def cli(argv: list[str] | None = None) -> int:
     """The command line: a mistake is one line and exit 2; a failed stage ends with that stage's exit code."""
-    from core import cli as ending
-
-    def body() -> int:
-        try:
-            return main(argv)
-        except StageError as e:
-            log.error("%s", e)
-            return e.code
-
-    return ending.run(body, log)
+    return run_command(main, argv, log)
 
 
 if __name__ == "__main__":
