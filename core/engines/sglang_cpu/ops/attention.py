@@ -22,6 +22,10 @@ from __future__ import annotations
 
 import torch
 
+# Query rows attended at a time: scores of [heads, block, keys], not [heads, T, T] (torch's CPU attention builds the
+# whole score matrix when the query and value widths differ, as MLA's prefill's do: 8 GiB at 32K tokens).
+QUERY_BLOCK = 2048
+
 
 def _refuse_unsupported(op: str, *, sliding_window: int, is_cross: bool, sinks: torch.Tensor | None,
                         encoder_lens: torch.Tensor | None) -> None:
@@ -113,14 +117,17 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | 
         else:
             keys = torch.cat([_cached(k_buffer, slots[:prefix], k_scale).to(k.dtype), k[start:start + new]])
             values = torch.cat([_cached(v_buffer, slots[:prefix], v_scale).to(v.dtype), v[start:start + new]])
-        if mask_rows is not None:
-            visible = mask_rows[b]
-        elif is_causal:
-            visible = torch.ones((new, total), dtype=torch.bool).tril(diagonal=prefix)
-        else:
-            visible = None
-        out = _attend(q[start:start + new], keys, values, visible, sm_scale, logit_cap)
-        o[start:start + new] = out.to(o.dtype)
+        for first in range(0, new, QUERY_BLOCK):
+            last = min(new, first + QUERY_BLOCK)
+            seen = prefix + last if mask_rows is None and is_causal else total  # the keys these rows may see
+            if mask_rows is not None:
+                visible = mask_rows[b][first:last]
+            elif is_causal:
+                visible = torch.ones((last - first, seen), dtype=torch.bool).tril(diagonal=prefix + first)
+            else:
+                visible = None
+            out = _attend(q[start + first:start + last], keys[:seen], values[:seen], visible, sm_scale, logit_cap)
+            o[start + first:start + last] = out.to(o.dtype)
 
 
 def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, k_scale: float,
