@@ -231,7 +231,7 @@ def spawn_case(backend: str, data: Path, length: int, work: Path, timeout: float
                     os.kill(pid, 9)
             proc.wait()
     wall = time.perf_counter() - t0
-    text = logfile.read_text(errors="replace")
+    text = logfile.read_text(errors="replace").replace(f"{ROOT}/", "")  # the report names files of the repository
     if rc == 0:
         got = json.loads(outfile.read_text().strip().splitlines()[-1])
         return {**got, "tree_peak_pss_gib": peak / (1 << 30), "save": str(save), "wall_s": wall, "log": str(logfile)}
