@@ -156,10 +156,8 @@ def examine(args: DoctorOptions) -> dict[str, Any]:
 def check_before_launch(args: DoctorOptions) -> dict[str, Any]:
     """The drafter folder's static checks for the engine (and version) that will serve it: no server yet."""
     drafter = rules.drafter_facts(Path(args.before_launch))
-    running = {"info": {"context_length": args.context_length}}
-    checks = [rules.layer_finding(args.engine, args.engine_version, drafter, args.target_architecture),
-              rules.context_finding(running, drafter)]
-    findings = [f.to_dict() for f in checks if f is not None]
+    findings = [f.to_dict() for f in rules.before_launch_findings(args.engine, args.engine_version, drafter,
+                                                                   args.context_length, args.target_architecture)]
     return {"before_launch": args.before_launch, "engine": args.engine, "engine_version": args.engine_version,
             "drafter": drafter, "findings": findings, "healthy": not findings}
 

@@ -152,6 +152,15 @@ def context_finding(running: dict[str, Any], drafter: dict[str, Any]) -> Finding
                    "at the lengths you serve (docs/long-context.md)")
 
 
+def before_launch_findings(engine: str, version: str | None, drafter: dict[str, Any], context_length: int | None,
+                           target_arch: str | None = None) -> list[Finding]:
+    """The static checks of a drafter folder before a server starts: its ids as this version (or every version
+    known here) reads them, and its context against the one to be served."""
+    checks = (layer_finding(engine, version, drafter, target_arch),
+              context_finding({"info": {"context_length": context_length}}, drafter))
+    return [f for f in checks if f is not None]
+
+
 def acceptance_finding(levels: list[dict[str, Any]], steps: Any, offline_tau: float | None) -> Finding | None:
     """Acceptance low at one stream: the drafter does not fit this target, or is not served as trained."""
     one = next((lv for lv in levels if lv.get("concurrency") == 1 and lv.get("accept_length")), None)

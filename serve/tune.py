@@ -173,11 +173,8 @@ def check_before_launch(engine: str, python: str, export: Path, max_model_len: i
     """The doctor's static checks of the export for this engine's version (serve.doctor --before-launch): a sweep
     of a drafter the engine would read at other layers, or serve past its context, measures nothing."""
     version = installed_version(python) if engine == "sglang" else None
-    drafter = rules.drafter_facts(export)
-    for finding in (rules.layer_finding(engine, version, drafter, None),
-                    rules.context_finding({"info": {"context_length": max_model_len}}, drafter)):
-        if finding is not None:
-            raise TuneError(f"EXPORT {export}: {finding.title} ({finding.evidence}); fix: {finding.fix}")
+    for finding in rules.before_launch_findings(engine, version, rules.drafter_facts(export), max_model_len):
+        raise TuneError(f"EXPORT {export}: {finding.title} ({finding.evidence}); fix: {finding.fix}")
 
 
 # ----------------------------------------------------------------------------- stages
