@@ -17,7 +17,8 @@
 #               per-position rate by > 0.02
 #   4b. long    2 chats of ~1.6K and ~4.7K prompt tokens (catalog/long_chats.py, configs/engine-truth/long.yaml), replies
 #               by the target through vLLM: vLLM's counters vs the walk with the same tolerances, the walk's
-#               rounds past position 4,096 required (--require-bucket 4K-16K); ENGINE_TRUTH_LONG=0 skips it
+#               rounds past position 4,096 required (--require-bucket 4K-16K); a lane of its own ("long"), so CI
+#               runs it beside the others
 # The Kimi lane (kimi-k25-mini, the Kimi-K2.5-shaped MLA MoE, built into $REDRAFT_CACHE; an MLA drafter):
 #   5. k-data   256 chitchat openings answered by the target through vLLM (configs/engine-truth/kimi-train.yaml)
 #   6. k-eval   48 MT-bench first turns answered by the target through vLLM (configs/engine-truth/kimi-mtbench.yaml)
@@ -54,7 +55,7 @@
 #               EAGLE-3; trained here when that lane did not run) and its EAGLE-3.1 drafter; smollm2-eagle3.1 (SmolLM2's
 #               EAGLE-3.1, ~4 min here: SGLang verifies SmolLM2 at ~10 rounds/s) on request. P-EAGLE: SGLang 0.5.23
 #               has no parallel drafting
-# ENGINE_TRUTH_LANES="smollm2 kimi sglang kinds" (the default) picks lanes; ENGINE_TRUTH_SGLANG_PARTS="smollm2 kinds"
+# ENGINE_TRUTH_LANES="smollm2 long kimi sglang kinds" (the default) picks lanes; ENGINE_TRUTH_SGLANG_PARTS="smollm2 kinds"
 # (the default) the SGLang lane's parts (phases 10-11, phase 16). Two invocations may run side by side on one
 # ENGINE_TRUTH_WORK (CI runs "smollm2 kimi kinds" beside "sglang"): what lanes share (the demo drafter and data, the
 # Kimi data, each drafter) is made under a lock (flock) by whichever gets there first and reused by the other.
@@ -69,7 +70,7 @@ export VLLM_CPU_VENV=${VLLM_CPU_VENV:-$HOME/.cache/redraft/vllm-cpu}
 export SGLANG_CPU_VENV=${SGLANG_CPU_VENV:-$HOME/.cache/redraft/sglang-cpu}
 # The built-in targets' cache: the suite's (tests/conftest.py), so kimi-k25-mini is built once per CI run.
 export REDRAFT_CACHE=${REDRAFT_CACHE:-$ROOT/.cache/redraft}
-LANES=${ENGINE_TRUTH_LANES:-smollm2 kimi sglang kinds}
+LANES=${ENGINE_TRUTH_LANES:-smollm2 long kimi sglang kinds}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline DS_ACCELERATOR=cpu
 export TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 
@@ -169,11 +170,10 @@ smollm2_lane() {
         --speed-samples "${ENGINE_TRUTH_SPEED_SAMPLES:-4}" \
         --json "$WORK/engine-truth.json" --markdown "$WORK/engine-truth.md"
     done_phase compare
-    [ "${ENGINE_TRUTH_LONG:-1}" = 1 ] && smollm2_long
-    return 0
 }
 
-smollm2_long() {  # the long set: vLLM's counters past position 4,096 (configs/engine-truth/long.yaml)
+long_lane() {  # the long set: vLLM's counters past position 4,096 (configs/engine-truth/long.yaml)
+    smollm2_inputs
     CURRENT=long; phase "4b/8 long chats (~1.6K and ~4.7K prompt tokens): vLLM online vs offline walk ($WORK/long)"
     locked long extract_once long configs/engine-truth/long.yaml "$WORK/long"
     "$PY" -m eval.engine_truth "$DRAFTER" --data "$WORK/long" --steps 3 --min-samples 2 --speed-samples 0 \
@@ -376,10 +376,11 @@ kimi_lane() {
 for lane in $LANES; do
     case "$lane" in
         smollm2) smollm2_lane ;;
+        long) long_lane ;;
         kimi) kimi_lane ;;
         sglang) sglang_lane ;;
         kinds) kinds_lane ;;
-        *) echo "engine-truth: unknown lane '$lane' in ENGINE_TRUTH_LANES (smollm2, kimi, sglang, kinds)" >&2; exit 2 ;;
+        *) echo "engine-truth: unknown lane '$lane' in ENGINE_TRUTH_LANES (smollm2, long, kimi, sglang, kinds)" >&2; exit 2 ;;
     esac
 done
 
