@@ -102,3 +102,24 @@ def predict(costs: Mapping[int, StepCost], tau: Mapping[int, float], ks: Sequenc
 
 def as_dict(costs: Mapping[int, StepCost]) -> dict[str, Any]:
     return {str(c): asdict(s) for c, s in costs.items()}
+
+
+def chain_taus(steps: int, accept_length: float, accept_per_pos: Sequence[float] | None) -> dict[int, float]:
+    """tau(k) for k = 0..steps from one speculative probe: with the engine's acceptance per draft position (vLLM:
+    accepted at position i / drafts, i.e. per verify round), a chain of k keeps the first k positions, tau(k) =
+    1 + sum of the first k rates (greedy chains accept a prefix); without it (SGLang reports a length per request
+    only) just tau(0) = 1 and tau(steps)."""
+    if accept_per_pos and len(accept_per_pos) >= steps:
+        return {k: 1.0 + sum(accept_per_pos[:k]) for k in range(steps + 1)}
+    return {0: 1.0, steps: float(accept_length)}
+
+
+def best_chain(concurrency: int, base_tok_s: float, spec_tok_s: float, steps: int,
+               taus: Mapping[int, float]) -> dict[str, Any]:
+    """The chain length the probe's own costs predict fastest at one concurrency: the step fitted through base and
+    the running setting (``fit`` with one probe), tau(k) from :func:`chain_taus`. k = 0 is no drafting (speed-up
+    1 by construction). Returns the prediction per k and the best k."""
+    cost = fit(concurrency, {0: step_time(base_tok_s, None), steps: step_time(spec_tok_s, taus[steps])})
+    predicted = {k: tau * cost.base / cost.speculative(k) for k, tau in sorted(taus.items())}
+    best = max(predicted, key=lambda k: (predicted[k], -k))  # ties: the shorter chain
+    return {"concurrency": concurrency, "predicted": predicted, "best_k": best, "cost": asdict(cost)}

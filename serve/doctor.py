@@ -142,12 +142,14 @@ def examine(args: DoctorOptions) -> dict[str, Any]:
                    rules.context_finding(running, drafter)]
     checks.append(rules.acceptance_finding(levels, info.get("speculative_num_steps"), args.offline_tau))
     findings += [f for f in checks if f is not None]
-    findings += rules.speed_findings(report.get("comparison") or [])
+    comparison = report.get("comparison") or []
+    plan = rules.draft_plan(comparison, levels, info.get("speculative_num_steps"))
+    findings += rules.speed_findings(comparison, engine, plan)
     return {"url": args.url, "engine": engine, "running": _running_summary(info), "drafter": drafter,
             "probe": {"levels": [{k: lv[k] for k in ("concurrency", "requests", "ok", "errors", "aggregate_tok_s",
                                                       "per_stream_tok_s", "accept_length", "accept_per_pos")}
                                  for lv in levels],
-                      "comparison": report.get("comparison") or [],
+                      "comparison": comparison, "draft_plan": plan,
                       "speed": "measured against --base-url" if args.base_url else
                                "not judged (no --base-url: a base server's speed is what a speed-up is against)"},
             "findings": [f.to_dict() for f in findings], "healthy": not findings}
@@ -195,6 +197,10 @@ def render(result: dict[str, Any]) -> str:
         lines.append(f"| {lv['concurrency']} | {lv['ok']}/{lv['requests']} | {lv['aggregate_tok_s']:.1f} | {per} "
                      f"| {acc} |")
     lines += ["", f"Speed: {result['probe']['speed']}."]
+    for p in result["probe"].get("draft_plan") or []:
+        predicted = ", ".join(f"{k}: {x:.2f}x" for k, x in p["predicted"].items())
+        lines.append(f"- concurrency {p['concurrency']}: predicted speed-up by draft tokens ({predicted}): best "
+                     f"{p['best_k']} (the probe's own step costs, serve.cost_model)")
     if walk := result.get("offline_walk"):
         lines.append(f"Offline walk over the server's own replies ({walk['samples']} samples, {walk['estimator']}): "
                      f"{walk['tau']:.2f} tokens per verify round, the engine {walk['engine_tau_one_stream'] or 0:.2f} "

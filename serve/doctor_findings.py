@@ -19,6 +19,7 @@ from typing import Any
 
 from core import layers
 from core.drafter.folder import read_record
+from serve import cost_model
 
 SGLANG_SPEC_CAP = 48  # arg_groups/speculative_hook.py (SGLang 0.5.23): max_running_requests when none is asked
 # Below this many tokens per verify round a chain drafter pays for nothing at any concurrency on a GPU (each round
@@ -215,22 +216,71 @@ def pays_sentence(verdict: dict[str, Any]) -> str:
     return said + (f" None beats base from concurrency {ngf} on." if ngf is not None else "")
 
 
-def speed_findings(comparison: list[dict[str, Any]]) -> list[Finding]:
+def draft_plan(comparison: list[dict[str, Any]], levels: list[dict[str, Any]], steps: Any) -> list[dict[str, Any]]:
+    """Per concurrency measured beside the base, the chain length the probe's own step costs predict fastest
+    (``serve.cost_model.best_chain``; 0: no drafting)."""
+    if not isinstance(steps, int) or steps < 1:
+        return []
+    per_pos = {lv["concurrency"]: lv.get("accept_per_pos") for lv in levels}
+    plan = []
+    for row in comparison:
+        base, spec, tau = row["aggregate_tok_s"]["base"], row["aggregate_tok_s"]["eagle"], row.get("accept_length")
+        if not base or not spec or not tau:
+            continue
+        taus = cost_model.chain_taus(steps, tau, per_pos.get(row["concurrency"]))
+        plan.append(cost_model.best_chain(row["concurrency"], base, spec, steps, taus))
+    return plan
+
+
+def vllm_schedule(plan: list[dict[str, Any]]) -> list[list[int]]:
+    """vLLM's ``num_speculative_tokens_per_batch_size`` (0.32: inclusive batch-size ranges, the first from 1, k >= 0;
+    the last range carried to the largest batch): each measured concurrency's best k from the one above the
+    previous measured concurrency, so a batch between two measured levels gets the higher level's (fewer) drafts."""
+    out, start = [], 1
+    for p in sorted(plan, key=lambda p: p["concurrency"]):
+        if out and out[-1][2] == p["best_k"]:
+            out[-1][1] = p["concurrency"]
+        else:
+            out.append([start, p["concurrency"], p["best_k"]])
+        start = p["concurrency"] + 1
+    return out
+
+
+def _plan_fix(engine: str, plan: list[dict[str, Any]]) -> str:
+    """The flags the plan asks for, in the running engine's words."""
+    said = "; ".join(f"at {p['concurrency']}: " + (f"{p['best_k']} draft token(s), {p['predicted'][p['best_k']]:.2f}x"
+                                                      if p["best_k"] else "no drafting")
+                     for p in plan)
+    if engine == "vllm":
+        return (f"the probe's step costs predict ({said}): add \"num_speculative_tokens_per_batch_size\": "
+                f"{json.dumps(vllm_schedule(plan))} to --speculative-config (vLLM 0.32 picks the drafts per batch "
+                "size; 0 drafts none)")
+    return (f"the probe's step costs predict ({said}): relaunch with --speculative-adaptive (SGLang 0.5.23 picks "
+            f"the steps per batch size, none among its choices from batch 8), or --speculative-num-steps "
+            f"{min(p['best_k'] for p in plan) or 1} where one setting must serve every load")
+
+
+def speed_findings(comparison: list[dict[str, Any]], engine: str = "vllm",
+                   plan: list[dict[str, Any]] | None = None) -> list[Finding]:
     """Speculation that loses to the base server (``serve.report.comparison_rows``, measured beside it), by
-    :func:`where_it_pays` on aggregate tokens/s: at one stream, and from which concurrency on."""
+    :func:`where_it_pays` on aggregate tokens/s: at one stream, and from which concurrency on; the fix sized by
+    :func:`draft_plan` where the probe allows one."""
     verdict = where_it_pays([(r["concurrency"], r["aggregate_tok_s"]["ratio"]) for r in comparison])
     ratio = {r["concurrency"]: r["aggregate_tok_s"]["ratio"] for r in comparison}
+    sized = _plan_fix(engine, plan) if plan else None
     out = []
     if 1 in verdict["loses"]:
         out.append(Finding("no-gain-one-stream", "speculation does not speed up a single stream",
                            f"tokens/s at one stream with the drafter / without: {ratio[1]:.2f}",
-                           "a better-fitting drafter (retrain it on this target), or fewer draft steps"))
+                           "a better-fitting drafter (retrain it on this target), or fewer draft steps"
+                           + (f"; {sized}" if sized else "")))
     losing = [c for c in verdict["loses"] if c > 1]
     if losing:
         out.append(Finding("loses-at-concurrency", f"speculation costs throughput at concurrency "
                            f"{', '.join(map(str, losing))}",
                            "aggregate tokens/s with the drafter / without: "
                            + ", ".join(f"{ratio[c]:.2f} at {c}" for c in losing),
-                           "serve speculation only below that load: SGLang 0.5.23 --speculative-adaptive (turns "
-                           "drafting off for large batches), or fewer steps; python -m serve.tune sizes them"))
+                           sized or "serve speculation only below that load: SGLang 0.5.23 --speculative-adaptive "
+                           "(turns drafting off for large batches), vLLM 0.32 num_speculative_tokens_per_batch_size "
+                           "in --speculative-config, or fewer steps; python -m serve.tune sizes them"))
     return out

@@ -97,6 +97,27 @@ def test_context_and_acceptance_and_speed(tmp_path):
     assert rules.speed_findings([row(1, 1.5, 1.5), row(8, 1.2, 1.1)]) == []
 
 
+def test_the_draft_plan_per_concurrency_from_the_probes_own_costs():
+    """Worked by hand: at one stream base 10 tok/s, K = 3 at 8 tok/s with per-round acceptance 0.3 / 0.15 / 0.05
+    (tau 1.5): a base step 0.1 s, a 3-draft step 1.5 / 8 = 0.1875 s, so each draft costs 0.0292 s and a chain of
+    one is predicted 1.3 x 0.1 / 0.1292 = 1.006x, two 0.916x, three 0.800x. At four streams base 30, K = 3 at 15
+    tok/s: one draft 1.3 x 0.0333 / 0.0556 = 0.780x, so none."""
+    def row(c, base, spec):
+        return {"concurrency": c, "aggregate_tok_s": {"base": base, "eagle": spec, "ratio": spec / base},
+                "accept_length": 1.5}
+    levels = [{"concurrency": c, "accept_per_pos": [0.3, 0.15, 0.05]} for c in (1, 4)]
+    plan = rules.draft_plan([row(1, 10.0, 8.0), row(4, 30.0, 15.0)], levels, 3)
+    assert [p["best_k"] for p in plan] == [1, 0]
+    assert [round(plan[0]["predicted"][k], 3) for k in (0, 1, 2, 3)] == [1.0, 1.006, 0.916, 0.8]
+    assert round(plan[1]["predicted"][1], 3) == 0.78
+    assert rules.vllm_schedule(plan) == [[1, 1, 1], [2, 4, 0]]
+    findings = {f.code: f for f in rules.speed_findings([row(1, 10.0, 8.0), row(4, 30.0, 15.0)], "vllm", plan)}
+    assert '"num_speculative_tokens_per_batch_size": [[1, 1, 1], [2, 4, 0]]' in findings["loses-at-concurrency"].fix
+    sglang = rules.speed_findings([row(1, 10.0, 8.0), row(4, 30.0, 15.0)], "sglang",
+                                  rules.draft_plan([row(1, 10.0, 8.0), row(4, 30.0, 15.0)], [], 3))
+    assert "--speculative-adaptive" in sglang[-1].fix and "at 4: no drafting" in sglang[-1].fix  # no per-position rates: 0 or 3
+
+
 def _walked(engine_tau: float, walk_tau: float, others: list[dict]) -> dict:
     from pipeline.doctor import judge
 

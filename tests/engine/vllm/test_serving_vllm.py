@@ -56,6 +56,14 @@ def server(tmp_path_factory):
         yield srv, root
 
 
+@pytest.fixture(scope="module")
+def base_server():
+    """The same target without a drafter: what the doctor measures a speed-up against (--base-url)."""
+    settings = EngineSettings(target=str(smollm2_dir()), max_model_len=1024, kv_cache_bytes=1 << 28)
+    with VLLMServer(settings, python=vllm_venv_python(), stats=True) as srv:
+        yield srv
+
+
 def _run(url: str, out, *args: str) -> dict:
     rc = serving.main(["--eagle", url, "--num-prompts", "3", "--max-tokens", "24", "--warmup", "0",
                        "--timeout", "120", "--json", str(out), *args])
@@ -181,3 +189,33 @@ def test_the_doctor_walks_the_servers_own_replies_offline(server, tmp_path):
     assert "served-not-as-trained" not in codes
     assert ("drafter-does-not-fit" in codes) == (walk["tau"] < 1.6)
     assert rc == (doctor.FINDINGS if report["findings"] else doctor.HEALTHY)
+
+
+def test_the_doctor_finds_draft_steps_past_the_crossover_and_writes_vllms_schedule(server, base_server, tmp_path):
+    """The planted fault: 3 draft tokens of a poor drafter at 4 streams, where (on this CPU) every verify of 4
+    positions per stream costs more than its accepted drafts give back. The doctor measures the server beside the
+    base at 1 and 4 streams, names the loss at 4 from the engines' own tokens/s, and sizes the fix from the probe's
+    step costs: a num_speculative_tokens_per_batch_size schedule that vLLM's own validator accepts."""
+    import subprocess
+
+    from serve import doctor
+
+    srv, _ = server
+    out = tmp_path / "crossover.json"
+    rc = doctor.main(["--url", srv.url, "--base-url", base_server.url, "--tokenizer", str(smollm2_dir()),
+                      "--concurrency", "1,4", "--num-prompts", "4", "--max-tokens", "24", "--json", str(out)])
+    result = json.loads(out.read_text())
+    rows = {r["concurrency"]: r["aggregate_tok_s"] for r in result["probe"]["comparison"]}
+    assert rows[4]["ratio"] < 1.0, f"the fault was not planted: the drafter paid at 4 streams here ({rows[4]})"
+    findings = {f["code"]: f for f in result["findings"]}
+    assert rc == doctor.FINDINGS and "4" in findings["loses-at-concurrency"]["title"]
+    plan = {p["concurrency"]: p for p in result["probe"]["draft_plan"]}
+    assert set(plan) == {1, 4} and plan[4]["best_k"] < K  # the probe's costs never keep 3 drafts where they lose
+    schedule = json.loads(findings["loses-at-concurrency"]["fix"].split(
+        '"num_speculative_tokens_per_batch_size": ', 1)[1].split(" to --speculative-config", 1)[0])
+    assert schedule[0][0] == 1 and schedule[-1][1] == 4
+    check = ("import json, sys; from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup as b; "
+             f"print(json.dumps(b(json.loads(sys.argv[1]), 8, {K})))")
+    dense = json.loads(subprocess.run([vllm_venv_python(), "-c", check, json.dumps(schedule)], check=True,
+                                      capture_output=True, text=True).stdout.strip().splitlines()[-1])
+    assert dense[1] == plan[1]["best_k"] and dense[4] == dense[8] == plan[4]["best_k"]  # as vLLM will read it
