@@ -41,6 +41,7 @@ from core.atomic import atomic_write_text
 from core.config import ConfigError
 from core.options import option
 from serve import doctor_findings as rules
+from serve import report as serve_report
 from serve.bench import ServingConfig, run_benchmark
 from serve.prompts import ServingError
 
@@ -71,6 +72,9 @@ class DoctorOptions:
     max_seconds: float = option(300.0, "the whole probe's time limit", group="probe")
     offline_tau: float | None = option(None, "the drafter's τ offline on this kind of traffic (eval.acceptance)",
                                        group="probe")
+    evidence: str | None = option(None, "no server: judge evidence recorded elsewhere (a JSON file: engine, what the "
+                                        "server reported, the drafter folder's facts, each server's levels; "
+                                        "docs/doctor.md)", group="server")
     before_launch: str | None = option(None, "no server: the static checks of this drafter folder for --engine "
                                              "(slurm/serve.sh and serve.tune run them before they launch)",
                                        group="before a launch")
@@ -84,8 +88,11 @@ class DoctorOptions:
     markdown: str | None = option(None, "write them as Markdown here", group="output")
 
     def validate(self) -> None:
-        if (self.url is None) == (self.before_launch is None):
-            raise ConfigError("give --url URL (a running server) or --before-launch DRAFTER_DIR (no server), one of them")
+        if sum(x is not None for x in (self.url, self.before_launch, self.evidence)) != 1:
+            raise ConfigError("give --url URL (a running server), --before-launch DRAFTER_DIR or --evidence FILE (no "
+                              "server), one of them")
+        if self.evidence is not None and not Path(self.evidence).is_file():
+            raise ConfigError(f"--evidence {self.evidence}: no such file")
         if self.before_launch is not None:
             if self.engine is None:
                 raise ConfigError("--before-launch: --engine sglang|vllm is required (the engine that will serve it)")
@@ -113,14 +120,27 @@ def probe(args: DoctorOptions) -> dict[str, Any]:
 
 
 def examine(args: DoctorOptions) -> dict[str, Any]:
-    """Gather the evidence, then the findings."""
+    """Gather the evidence (the probe, the drafter folder), then the verdict."""
     report = probe(args)
     server = report["servers"]["eagle"]
-    engine, info = server["engine"], server["info"]
+    info = server["info"]
     drafter_dir = args.drafter or info.get("speculative_draft_model_path")
     drafter = rules.drafter_facts(Path(drafter_dir)) if drafter_dir and (Path(drafter_dir) / "config.json").is_file() \
         else None
-    levels = server["levels"]
+    result = conclude(server["engine"], info, drafter, server["levels"], report.get("comparison") or [],
+                      warnings=server["warnings"], top_concurrency=max(args.concurrency),
+                      target_architecture=args.target_architecture, offline_tau=args.offline_tau)
+    result["url"] = args.url
+    result["probe"]["speed"] = ("measured against --base-url" if args.base_url else
+                                "not judged (no --base-url: a base server's speed is what a speed-up is against)")
+    return result
+
+
+def conclude(engine: str, info: dict[str, Any], drafter: dict[str, Any] | None, levels: list[dict[str, Any]],
+             comparison: list[dict[str, Any]], *, warnings: Sequence[str] = (), top_concurrency: int = 1,
+             target_architecture: str | None = None, offline_tau: float | None = None) -> dict[str, Any]:
+    """The verdict from the evidence alone (what the server said, the drafter folder's facts, the probe's levels
+    and the comparison with the base): every finding in the order a team should fix them, and the draft plan."""
     done = [lv for lv in levels if lv["ok"]]
     # a request's tokens for sizing the cap's fix: the probe's mean reply plus as much again for its prompt (the
     # prompt's length is not reported by every API; MT-bench's first turns are shorter than its replies)
@@ -132,27 +152,62 @@ def examine(args: DoctorOptions) -> dict[str, Any]:
         findings.append(rules.Finding("requests-fail", "requests to the server fail",
                                       f"{bad['errors']} of {bad['requests']} at concurrency {bad['concurrency']}, "
                                       f"e.g. {bad['error_samples'][:1]}", "read the server's log"))
-    for w in server["warnings"]:
+    for w in warnings:
         if "not running a drafter" in w:
             findings.append(rules.Finding("no-drafter", "the server runs no drafter", w,
                                           "start it with the drafter (python -m eval.export prints the launch line)"))
-    checks = [rules.cap_finding(engine, running, max(args.concurrency))]
+    checks = [rules.cap_finding(engine, running, top_concurrency)]
     if drafter is not None:
-        checks += [rules.layer_finding(engine, info.get("version"), drafter, args.target_architecture),
+        checks += [rules.layer_finding(engine, info.get("version"), drafter, target_architecture),
                    rules.context_finding(running, drafter)]
-    checks.append(rules.acceptance_finding(levels, info.get("speculative_num_steps"), args.offline_tau))
+    checks.append(rules.acceptance_finding(levels, info.get("speculative_num_steps"), offline_tau))
     findings += [f for f in checks if f is not None]
-    comparison = report.get("comparison") or []
     plan = rules.draft_plan(comparison, levels, info.get("speculative_num_steps"))
     findings += rules.speed_findings(comparison, engine, plan)
-    return {"url": args.url, "engine": engine, "running": _running_summary(info), "drafter": drafter,
-            "probe": {"levels": [{k: lv[k] for k in ("concurrency", "requests", "ok", "errors", "aggregate_tok_s",
-                                                      "per_stream_tok_s", "accept_length", "accept_per_pos")}
+    return {"url": None, "engine": engine, "running": _running_summary(info), "drafter": drafter,
+            "probe": {"levels": [{k: lv.get(k) for k in ("concurrency", "requests", "ok", "errors",
+                                                          "aggregate_tok_s", "per_stream_tok_s", "accept_length",
+                                                          "accept_per_pos")}
                                  for lv in levels],
                       "comparison": comparison, "draft_plan": plan,
-                      "speed": "measured against --base-url" if args.base_url else
-                               "not judged (no --base-url: a base server's speed is what a speed-up is against)"},
+                      "speed": "measured against a base server" if comparison else "not judged"},
             "findings": [f.to_dict() for f in findings], "healthy": not findings}
+
+
+EVIDENCE_KEYS = ("engine", "info", "levels")
+
+
+def judge_evidence(args: DoctorOptions) -> dict[str, Any]:
+    """The verdict on evidence recorded elsewhere: ``engine``, ``info`` (what the server reported, the keys of
+    ``serve.bench``'s identity), ``drafter`` (:func:`serve.doctor_findings.drafter_facts`' keys, or null), ``levels``
+    (the speculative server's, ``serve.bench``'s keys) and ``base_levels`` (a base server's, or absent); ``source``
+    says where the numbers come from and is kept in the report."""
+    path = Path(args.evidence)
+    try:
+        ev = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--evidence {path}: not JSON ({e.msg}, line {e.lineno})") from None
+    missing = [k for k in EVIDENCE_KEYS if k not in ev] if isinstance(ev, dict) else list(EVIDENCE_KEYS)
+    if missing:
+        raise ConfigError(f"--evidence {path}: missing key(s) {', '.join(missing)}")
+    levels = [_level(lv) for lv in ev["levels"]]
+    comparison = []
+    if ev.get("base_levels"):
+        comparison = serve_report.comparison_rows({"servers": {"base": {"levels": [_level(b) for b in ev["base_levels"]]},
+                                                               "eagle": {"levels": levels}}})
+    result = conclude(ev["engine"], ev["info"], ev.get("drafter"), levels, comparison,
+                      top_concurrency=max(lv["concurrency"] for lv in levels),
+                      target_architecture=args.target_architecture, offline_tau=args.offline_tau)
+    result["url"] = f"evidence {path.name}"
+    result["source"] = ev.get("source")
+    return result
+
+
+def _level(lv: dict[str, Any]) -> dict[str, Any]:
+    """A recorded level with the keys a probe's level has (what the record leaves out: none, zero, unknown)."""
+    out = {"requests": lv.get("ok", 0), "ok": 0, "errors": 0, "output_tokens": 0, "accept_length": None,
+           "accept_per_pos": None, "per_stream_tok_s": None, "tpot_ms": {}, "ttft_ms": {}, **lv}
+    return {**out, "requests": out["requests"] or out["ok"]}
 
 
 def check_before_launch(args: DoctorOptions) -> dict[str, Any]:
@@ -184,6 +239,8 @@ def _running_summary(info: dict[str, Any]) -> dict[str, Any]:
 
 def render(result: dict[str, Any]) -> str:
     lines = [f"# serve.doctor: {result['url']} ({result['engine']})", ""]
+    if result.get("source"):
+        lines += [f"Evidence: {result['source']}", ""]
     lines += [f"- {k}: {v}" for k, v in result["running"].items()]
     if result["drafter"]:
         d = result["drafter"]
@@ -220,6 +277,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.before_launch is not None:
         result = check_before_launch(args)
         text = render_before_launch(result)
+    elif args.evidence is not None:
+        result = judge_evidence(args)
+        text = render(result)
     else:
         result = examine(args)
         text = render(result)

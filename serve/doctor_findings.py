@@ -22,9 +22,11 @@ from core.drafter.folder import read_record
 from serve import cost_model
 
 SGLANG_SPEC_CAP = 48  # arg_groups/speculative_hook.py (SGLang 0.5.23): max_running_requests when none is asked
-# Below this many tokens per verify round a chain drafter pays for nothing at any concurrency on a GPU (each round
-# costs one drafter pass per step and a wider verify): the level at which the write-up's 42% acceptance sat.
-LOW_ACCEPT_LENGTH = 1.6
+# Below this many tokens per verify round a drafter does not fit its target: the write-up's Kimi-K2 drafter on
+# Kimi-K2.5 (SGLang's accept length 1.65 at 3 steps, top-k 1, 4 draft tokens: its "42%" is 1.65 / 4) ran a single
+# stream at 0.99x of base, where drafters fitted to their target reach 2.4-3.5 at the same setting (the published
+# Kimi-K2 drafters' accept lengths, docs/doctor.md).
+LOW_ACCEPT_LENGTH = 2.0
 
 
 @dataclass
@@ -178,7 +180,8 @@ def acceptance_finding(levels: list[dict[str, Any]], steps: Any, offline_tau: fl
     offline = "" if offline_tau is None else f"; {offline_tau:.2f} in the offline walk: served as trained, and low"
     return Finding("drafter-does-not-fit", "the drafter does not fit this target",
                    f"tokens per verify round at one stream: {tau:.2f} with {steps} draft steps (below "
-                   f"{LOW_ACCEPT_LENGTH}, where no draft pays){offline}",
+                   f"{LOW_ACCEPT_LENGTH}: a mismatched Kimi drafter gave 1.65 and no speed-up, fitted ones give "
+                   f"2.4-3.5){offline}",
                    "retrain it on this target's own hidden states: python -m extract --target TARGET --data CHATS "
                    "--regenerate --out DATA, then accelerate launch train/main.py --data DATA --out CKPT "
                    "(docs/kimi-k25.md)")
@@ -251,13 +254,18 @@ def _plan_fix(engine: str, plan: list[dict[str, Any]]) -> str:
     said = "; ".join(f"at {p['concurrency']}: " + (f"{p['best_k']} draft token(s), {p['predicted'][p['best_k']]:.2f}x"
                                                       if p["best_k"] else "no drafting")
                      for p in plan)
+    if not any(p["best_k"] for p in plan):
+        return (f"the probe's step costs predict no drafting pays at any concurrency measured ({said}): serve "
+                "without speculation until a drafter that fits this target is measured again")
     if engine == "vllm":
         return (f"the probe's step costs predict ({said}): add \"num_speculative_tokens_per_batch_size\": "
                 f"{json.dumps(vllm_schedule(plan))} to --speculative-config (vLLM 0.32 picks the drafts per batch "
                 "size; 0 drafts none)")
+    paying = [p for p in sorted(plan, key=lambda p: p["concurrency"]) if p["best_k"]]
     return (f"the probe's step costs predict ({said}): relaunch with --speculative-adaptive (SGLang 0.5.23 picks "
             f"the steps per batch size, none among its choices from batch 8), or --speculative-num-steps "
-            f"{min(p['best_k'] for p in plan) or 1} where one setting must serve every load")
+            f"{paying[0]['best_k']} --speculative-num-draft-tokens {paying[0]['best_k'] + 1} where the load stays at "
+            f"{paying[-1]['concurrency']} or below")
 
 
 def speed_findings(comparison: list[dict[str, Any]], engine: str = "vllm",

@@ -113,9 +113,17 @@ def test_the_draft_plan_per_concurrency_from_the_probes_own_costs():
     assert rules.vllm_schedule(plan) == [[1, 1, 1], [2, 4, 0]]
     findings = {f.code: f for f in rules.speed_findings([row(1, 10.0, 8.0), row(4, 30.0, 15.0)], "vllm", plan)}
     assert '"num_speculative_tokens_per_batch_size": [[1, 1, 1], [2, 4, 0]]' in findings["loses-at-concurrency"].fix
-    sglang = rules.speed_findings([row(1, 10.0, 8.0), row(4, 30.0, 15.0)], "sglang",
-                                  rules.draft_plan([row(1, 10.0, 8.0), row(4, 30.0, 15.0)], [], 3))
-    assert "--speculative-adaptive" in sglang[-1].fix and "at 4: no drafting" in sglang[-1].fix  # no per-position rates: 0 or 3
+    # SGLang reports no rate per position: only 0 or 3 drafts. 3 at 8 tok/s loses everywhere (1.5 x 0.1 / 0.1875 =
+    # 0.8x): no drafting anywhere; 3 at 12 tok/s pays at one stream (1.5 x 0.1 / 0.125 = 1.2x) and not at four
+    rows = [row(1, 10.0, 8.0), row(4, 30.0, 15.0)]
+    nowhere = rules.speed_findings(rows, "sglang", rules.draft_plan(rows, [], 3))
+    assert "no drafting pays at any concurrency measured" in nowhere[-1].fix
+    rows = [row(1, 10.0, 12.0), row(4, 30.0, 15.0)]
+    plan = rules.draft_plan(rows, [], 3)
+    assert [(p["best_k"], round(p["predicted"][3], 3)) for p in plan] == [(3, 1.2), (0, 0.5)]
+    fix = rules.speed_findings(rows, "sglang", plan)[-1].fix
+    assert "--speculative-adaptive" in fix and "--speculative-num-steps 3 --speculative-num-draft-tokens 4 where the load " \
+        "stays at 1 or below" in fix
 
 
 def _walked(engine_tau: float, walk_tau: float, others: list[dict]) -> dict:
@@ -177,3 +185,24 @@ def test_serve_tune_refuses_to_sweep_an_export_its_engine_would_misread(tmp_path
         check_before_launch("vllm", "python", tmp_path, 4096)
     _drafter(tmp_path, [2, 30, 58], [1, 29, 57], context=8192)
     check_before_launch("vllm", "python", tmp_path, 4096)
+
+
+def test_the_write_ups_deployment_as_the_doctor_reads_it(tmp_path):
+    """serve.doctor --evidence on the write-up's own figures (docs/results/doctor-writeup/evidence.json): every cause
+    its team found by hand (the cap of 48, the drafter trained for another target, the context that needed an
+    environment variable, no gain at one stream and a loss under load), each with its fix, and nothing else."""
+    from helpers_paths import ROOT
+
+    from serve import doctor
+
+    out = tmp_path / "report.json"
+    rc = doctor.main(["--evidence", str(ROOT / "docs/results/doctor-writeup/evidence.json"), "--json", str(out)])
+    result = json.loads(out.read_text())
+    findings = {f["code"]: f for f in result["findings"]}
+    assert rc == doctor.FINDINGS
+    assert list(findings) == ["sglang-cap-48", "context-length", "drafter-does-not-fit", "no-gain-one-stream",
+                              "loses-at-concurrency"]
+    assert "262144" in findings["context-length"]["fix"] and "0.36 at 64" in findings["loses-at-concurrency"]["evidence"]
+    assert [p["best_k"] for p in result["probe"]["draft_plan"]] == [0, 0]  # 62.9 against 63.6: no chain pays
+    committed = json.loads((ROOT / "docs/results/doctor-writeup/report.json").read_text())
+    assert committed["findings"] == result["findings"]  # the committed report is this code's

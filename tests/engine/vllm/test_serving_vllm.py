@@ -176,6 +176,7 @@ def test_the_doctor_walks_the_servers_own_replies_offline(server, tmp_path):
     never that it is served wrongly)."""
     from pipeline import doctor as pipeline_doctor
     from serve import doctor
+    from serve import doctor_findings as rules
 
     srv, root = server
     work = tmp_path / "work"
@@ -187,7 +188,7 @@ def test_the_doctor_walks_the_servers_own_replies_offline(server, tmp_path):
     assert walk["tau"] == pytest.approx(walk["engine_tau_one_stream"], rel=0.02)
     codes = {f["code"] for f in report["findings"]}
     assert "served-not-as-trained" not in codes
-    assert ("drafter-does-not-fit" in codes) == (walk["tau"] < 1.6)
+    assert ("drafter-does-not-fit" in codes) == (walk["tau"] < rules.LOW_ACCEPT_LENGTH)
     assert rc == (doctor.FINDINGS if report["findings"] else doctor.HEALTHY)
 
 
