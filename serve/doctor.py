@@ -31,6 +31,7 @@ import asyncio
 import json
 import logging
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,7 +122,9 @@ def probe(args: DoctorOptions) -> dict[str, Any]:
 
 def examine(args: DoctorOptions) -> dict[str, Any]:
     """Gather the evidence (the probe, the drafter folder), then the verdict."""
+    started = time.monotonic()
     report = probe(args)
+    probe_seconds = time.monotonic() - started
     server = report["servers"]["eagle"]
     info = server["info"]
     drafter_dir = args.drafter or info.get("speculative_draft_model_path")
@@ -131,6 +134,7 @@ def examine(args: DoctorOptions) -> dict[str, Any]:
                       warnings=server["warnings"], top_concurrency=max(args.concurrency),
                       target_architecture=args.target_architecture, offline_tau=args.offline_tau)
     result["url"] = args.url
+    result["probe"]["seconds"] = round(probe_seconds, 1)
     result["probe"]["speed"] = ("measured against --base-url" if args.base_url else
                                 "not judged (no --base-url: a base server's speed is what a speed-up is against)")
     return result
@@ -253,7 +257,8 @@ def render(result: dict[str, Any]) -> str:
         per = "n/a" if lv["per_stream_tok_s"] is None else f"{lv['per_stream_tok_s']:.1f}"
         lines.append(f"| {lv['concurrency']} | {lv['ok']}/{lv['requests']} | {lv['aggregate_tok_s']:.1f} | {per} "
                      f"| {acc} |")
-    lines += ["", f"Speed: {result['probe']['speed']}."]
+    seconds = result["probe"].get("seconds")
+    lines += ["", f"Speed: {result['probe']['speed']}." + (f" The probe took {seconds:.0f} s." if seconds else "")]
     for p in result["probe"].get("draft_plan") or []:
         predicted = ", ".join(f"{k}: {x:.2f}x" for k, x in p["predicted"].items())
         lines.append(f"- concurrency {p['concurrency']}: predicted speed-up by draft tokens ({predicted}): best "

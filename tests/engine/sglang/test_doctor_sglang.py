@@ -50,6 +50,7 @@ def test_the_doctor_finds_sglangs_cap_of_48_on_a_live_server(tmp_path, capsys):
     assert result["drafter"]["folder"] == str(export)  # found from the server's own draft model path
     level = result["probe"]["levels"][0]
     assert level["ok"] == level["requests"] >= 2 and level["accept_length"] >= 1.0
+    assert 0 < result["probe"]["seconds"] < 120  # the bound for a probe on a CPU
     findings = {f["code"]: f for f in result["findings"]}
     cap = findings["sglang-cap-48"]
     kv = running["max_total_num_tokens"]

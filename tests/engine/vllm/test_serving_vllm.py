@@ -148,6 +148,7 @@ def test_the_doctor_reads_the_server_and_finds_a_drafter_folder_read_one_layer_o
     assert result["running"]["version"].startswith("0.32")
     level = result["probe"]["levels"][0]
     assert level["ok"] == level["requests"] and level["accept_length"] >= 1.0
+    assert 0 < result["probe"]["seconds"] < 120  # the bound for a probe on a CPU
     assert not {"layer-ids-misread", "context-length", "requests-fail"} & set(findings)
 
     bad = tmp_path / "one-layer-off"
@@ -207,6 +208,7 @@ def test_the_doctor_finds_draft_steps_past_the_crossover_and_writes_vllms_schedu
                       "--concurrency", "1,4", "--num-prompts", "4", "--max-tokens", "24", "--json", str(out)])
     result = json.loads(out.read_text())
     rows = {r["concurrency"]: r["aggregate_tok_s"] for r in result["probe"]["comparison"]}
+    assert result["probe"]["seconds"] < 120  # both servers, both levels
     assert rows[4]["ratio"] < 1.0, f"the fault was not planted: the drafter paid at 4 streams here ({rows[4]})"
     findings = {f["code"]: f for f in result["findings"]}
     assert rc == doctor.FINDINGS and "4" in findings["loses-at-concurrency"]["title"]
