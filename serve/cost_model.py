@@ -105,12 +105,14 @@ def as_dict(costs: Mapping[int, StepCost]) -> dict[str, Any]:
 
 
 def chain_taus(steps: int, accept_length: float, accept_per_pos: Sequence[float] | None) -> dict[int, float]:
-    """tau(k) for k = 0..steps from one speculative probe: with the engine's acceptance per draft position (vLLM:
-    accepted at position i / drafts, i.e. per verify round), a chain of k keeps the first k positions, tau(k) =
-    1 + sum of the first k rates (greedy chains accept a prefix); without it (SGLang reports a length per request
-    only) just tau(0) = 1 and tau(steps)."""
-    if accept_per_pos and len(accept_per_pos) >= steps:
-        return {k: 1.0 + sum(accept_per_pos[:k]) for k in range(steps + 1)}
+    """tau(k) for k = 0..steps from one speculative probe. With the engine's acceptance per draft position (rounds
+    that accepted position i / rounds: vLLM's per-position counters; SGLang's per-request histogram of drafts
+    accepted per round, which stops at the most any round accepted, so a missing position is 0), a chain of k keeps
+    the first k positions, tau(k) = 1 + the sum of the first k rates (greedy chains accept a prefix); without it
+    (SGLang's OpenAI API) just tau(0) = 1 and tau(steps)."""
+    if accept_per_pos:
+        rates = list(accept_per_pos[:steps]) + [0.0] * max(0, steps - len(accept_per_pos))
+        return {k: 1.0 + sum(rates[:k]) for k in range(steps + 1)}
     return {0: 1.0, steps: float(accept_length)}
 
 

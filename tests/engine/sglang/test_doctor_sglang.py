@@ -51,6 +51,9 @@ def test_the_doctor_finds_sglangs_cap_of_48_on_a_live_server(tmp_path, capsys):
     level = result["probe"]["levels"][0]
     assert level["ok"] == level["requests"] >= 2 and level["accept_length"] >= 1.0
     assert 0 < result["probe"]["seconds"] < 120  # the bound for a probe on a CPU
+    rates = level["accept_per_pos"]  # from SGLang's per-request histograms (empty when no round accepted a draft)
+    assert isinstance(rates, list) and len(rates) <= STEPS
+    assert all(a >= b for a, b in zip(rates, rates[1:], strict=False))  # a chain accepts a prefix
     findings = {f["code"]: f for f in result["findings"]}
     cap = findings["sglang-cap-48"]
     kv = running["max_total_num_tokens"]
