@@ -17,6 +17,7 @@ from helpers_embedded import sglang_venv_python, smollm2_dir, smollm2_logit_lens
 from core.engines.sglang import SGLangServer
 from eval.export import ExportConfig, export_checkpoint
 from serve import doctor
+from serve import doctor_findings as rules
 
 STEPS = 2
 
@@ -60,5 +61,7 @@ def test_the_doctor_finds_sglangs_cap_of_48_on_a_live_server(tmp_path, capsys):
     assert isinstance(kv, int) and f"{kv:,}" in cap["evidence"]
     assert "--max-running-requests" in cap["fix"]
     assert not {"layer-ids-misread", "layer-ids-unknown", "context-length", "requests-fail"} & set(findings)
+    # the logit-lens drafter fits no chat traffic: found by the engine's own acceptance at one stream
+    assert ("drafter-does-not-fit" in findings) == (level["accept_length"] < rules.LOW_ACCEPT_LENGTH)
     assert rc == doctor.FINDINGS
     assert "sglang-cap-48" in capsys.readouterr().out
