@@ -13,9 +13,14 @@
 3. A bounded probe (``serve.bench``: a few prompts at each ``--concurrency``, the engine's own acceptance: SGLang's
    per-request counters, vLLM's ``/metrics`` differences); beside ``--base-url`` when given (tokens/s ratios
    measured), and at most ``--max-seconds`` in all.
-4. The verdict (``serve.doctor_findings``): each finding with its evidence and the exact fix. ``--offline-tau``
+4. The verdict (``serve.doctor_findings``): each finding with its evidence and the exact fix; with a base, the draft
+   tokens per concurrency that the probe's own step costs predict fastest (``serve.cost_model.best_chain``). ``--offline-tau``
    (τ of ``python -m eval.acceptance`` over the same kind of traffic) separates a drafter served wrongly from one
    that does not fit; ``python -m pipeline.doctor --target DIR`` computes it over the server's own replies.
+
+``--evidence FILE``: the verdict on figures recorded elsewhere (what a probe gathers, as JSON: the engine, what the
+server reported, the drafter folder's facts, each server's levels; ``docs/results/doctor-writeup/evidence.json``
+is the write-up's deployment).
 
 ``--before-launch DRAFTER_DIR --engine sglang|vllm [--engine-version V] [--context-length N]``: the static checks
 of point 2 with no server (the ids as that version reads them, or as every version known here reads them); what
