@@ -4,7 +4,8 @@ from SGLang's defaults. The doctor must read the engine, its version and the dra
 /server_info, find the cap of 48 running requests (set by SGLang when it speculates, not asked for on the launch
 line) and size the fix from the server's own KV budget; the drafter's layer ids are the ones this version reads
 as trained, so no layer finding. A copy of the drafter's folder that says it drafts fewer positions than the server
-serves is found with the length to write. One server start, a few short requests.
+serves is found with the length to write, and one whose ids are one layer off with the ids to write. One server
+start, a few short requests.
 """
 
 from __future__ import annotations
@@ -35,11 +36,22 @@ def test_the_doctor_finds_sglangs_cap_of_48_on_a_live_server(tmp_path, capsys):
     shutil.copytree(export, short)
     config = json.loads((short / "config.json").read_text())
     (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 512}))
+    off = tmp_path / "one-layer-off"  # the served drafter's folder, its ids one layer below those it was trained on
+    shutil.copytree(export, off)
+    config = json.loads((off / "config.json").read_text())
+    written = config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [i - 1 for i in written]
+    (off / "config.json").write_text(json.dumps(config))
     with SGLangServer(kwargs, python=py) as srv:
         rc = doctor.main(["--url", srv.url, "--tokenizer", str(smollm2_dir()), "--concurrency", "1",
                           "--num-prompts", "2", "--max-tokens", "16", "--max-seconds", "300", "--json", str(out)])
         assert doctor.main(["--url", srv.url, "--drafter", str(short), "--concurrency", "1", "--num-prompts", "1",
                             "--max-tokens", "8", "--json", str(tmp_path / "short.json")]) == doctor.FINDINGS
+        assert doctor.main(["--url", srv.url, "--drafter", str(off), "--concurrency", "1", "--num-prompts", "1",
+                            "--max-tokens", "8", "--json", str(tmp_path / "off.json")]) == doctor.FINDINGS
+    off_findings = {f["code"]: f for f in json.loads((tmp_path / "off.json").read_text())["findings"]}
+    assert str(sorted(written)) in off_findings["layer-ids-misread"]["fix"]  # the ids SGLang 0.5.23 reads as trained
+    assert "0.5.23" in off_findings["layer-ids-misread"]["title"]
     short_findings = {f["code"]: f for f in json.loads((tmp_path / "short.json").read_text())["findings"]}
     assert "1,024" in short_findings["context-length"]["evidence"]
     assert "set max_position_embeddings to 1024" in short_findings["context-length"]["fix"]
