@@ -57,7 +57,7 @@
 #               has no parallel drafting
 # ENGINE_TRUTH_LANES="smollm2 long kimi sglang kinds" (the default) picks lanes; ENGINE_TRUTH_SGLANG_PARTS="smollm2 kinds"
 # (the default) the SGLang lane's parts (phases 10-11, phase 16). Two invocations may run side by side on one
-# ENGINE_TRUTH_WORK (CI runs "smollm2 kimi kinds" beside "sglang"): what lanes share (the demo drafter and data, the
+# ENGINE_TRUTH_WORK (CI runs "smollm2 long kimi kinds" beside "sglang"): what lanes share (the demo drafter and data, the
 # Kimi data, each drafter) is made under a lock (flock) by whichever gets there first and reused by the other.
 # It fails loudly when it cannot run (no venv and no registry, engine crash, too few samples).
 # REDRAFT_SKIP_ENGINE_TRUTH=1 skips it on purpose, and says so.

@@ -199,10 +199,13 @@ def judge_evidence(args: DoctorOptions) -> dict[str, Any]:
     missing = [k for k in EVIDENCE_KEYS if k not in ev] if isinstance(ev, dict) else list(EVIDENCE_KEYS)
     if missing:
         raise ConfigError(f"--evidence {path}: missing key(s) {', '.join(missing)}")
-    levels = [_level(lv) for lv in ev["levels"]]
+    if ev["engine"] not in ("sglang", "vllm"):
+        raise ConfigError(f"--evidence {path}: engine={ev['engine']!r}: expected sglang or vllm")
+    levels = _levels(path, "levels", ev["levels"])
     comparison = []
     if ev.get("base_levels"):
-        comparison = serve_report.comparison_rows({"servers": {"base": {"levels": [_level(b) for b in ev["base_levels"]]},
+        comparison = serve_report.comparison_rows({"servers": {"base": {"levels": _levels(path, "base_levels",
+                                                                                          ev["base_levels"])},
                                                                "eagle": {"levels": levels}}})
     result = conclude(ev["engine"], ev["info"], ev.get("drafter"), levels, comparison,
                       top_concurrency=max(lv["concurrency"] for lv in levels),
@@ -212,11 +215,21 @@ def judge_evidence(args: DoctorOptions) -> dict[str, Any]:
     return result
 
 
-def _level(lv: dict[str, Any]) -> dict[str, Any]:
-    """A recorded level with the keys a probe's level has (what the record leaves out: none, zero, unknown)."""
-    out = {"requests": lv.get("ok", 0), "ok": 0, "errors": 0, "output_tokens": 0, "accept_length": None,
-           "accept_per_pos": None, "per_stream_tok_s": None, "tpot_ms": {}, "ttft_ms": {}, **lv}
-    return {**out, "requests": out["requests"] or out["ok"]}
+def _levels(path: Path, key: str, recorded: Any) -> list[dict[str, Any]]:
+    """Recorded levels with the keys a probe's level has (what a record leaves out: none, zero, unknown; requests:
+    the successful ones); each must say its concurrency and its tokens/s."""
+    if not isinstance(recorded, list) or not recorded or not all(
+            isinstance(lv, dict) and isinstance(lv.get("concurrency"), int)
+            and isinstance(lv.get("aggregate_tok_s"), int | float) for lv in recorded):
+        raise ConfigError(f"--evidence {path}: {key}: expected a non-empty list of levels, each with an integer "
+                          "concurrency and a number aggregate_tok_s")
+    out = []
+    for lv in recorded:
+        level = {"ok": 0, "errors": 0, "output_tokens": 0, "accept_length": None, "accept_per_pos": None,
+                 "per_stream_tok_s": None, "tpot_ms": {}, "ttft_ms": {}, **lv}
+        level.setdefault("requests", level["ok"])
+        out.append(level)
+    return out
 
 
 def check_before_launch(args: DoctorOptions) -> dict[str, Any]:

@@ -48,12 +48,14 @@ def world(tmp_path_factory) -> dict[str, Path]:
     d = tiny_drafter(seed=0, method="p-eagle", mask_token_id=3)
     write_drafter_folder(pe, d.config, d.serving_state_dict(), {"format": "redraft-test"})
     (root / "bad.yaml").write_text("bogus_key: 1\n")
+    (root / "no-levels.json").write_text('{"engine": "vllm", "info": {}, "levels": []}')
     (root / "empty.jsonl").write_text("")
     (root / "chat.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"},
                                                              {"role": "assistant", "content": "Hello"}]}) + "\n")
     return {"root": root, "target": target, "ds": ds, "empty_ds": empty_ds, "folder": root / "folder", "p_eagle": pe,
             "dflash": df,
-            "bad": root / "bad.yaml", "empty": root / "empty.jsonl", "chat": root / "chat.jsonl"}
+            "bad": root / "bad.yaml", "empty": root / "empty.jsonl", "chat": root / "chat.jsonl",
+            "no_levels": root / "no-levels.json"}
 
 
 def _cases(w: dict[str, Path]) -> list[tuple[str, str, list[str], str]]:
@@ -150,6 +152,7 @@ def _cases(w: dict[str, Path]) -> list[tuple[str, str, list[str], str]]:
         ("doctor", "no such path", ["--evidence", "/no/such.json"], "--evidence /no/such.json: no such file"),
         ("doctor", "wrong kind of file", ["--evidence", bad], "not JSON"),
         ("doctor", "two things to examine", ["--url", "u", "--evidence", bad], "one of them"),
+        ("doctor", "an empty record", ["--evidence", str(w["no_levels"])], "levels: expected a non-empty list"),
         ("pipeline_doctor", "missing option", ["--url", "u", "--out", out], "--target is required"),
         ("pipeline_doctor", "a number it computes itself", ["--url", "u", "--target", t, "--out", out,
                                                             "--offline-tau", "2"], "--offline-tau"),
