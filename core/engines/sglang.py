@@ -123,7 +123,10 @@ def cpu_engine_kwargs(engine_kwargs: Mapping[str, Any]) -> dict[str, Any]:
             raise ValueError(f"engine_args[{key!r}]={value!r} is not supported on the CPU stand-in: {why}")
     if engine_kwargs.get("device") not in (None, "cpu"):
         raise ValueError(f"engine_args['device']={engine_kwargs['device']!r}: the SGLang CPU venv runs on the CPU")
-    return {"max_total_tokens": CPU_KV_TOKENS, **engine_kwargs, "device": "cpu",
+    # sleep_on_idle: an idle scheduler otherwise polls its sockets in a loop and holds a core (measured here: 1.0
+    # CPU-second per second idle, 0.02 with it), which halves whatever runs beside it on a 2-core machine, such as a
+    # second server the doctor measures against; a request still wakes it at once (zmq poll on the same sockets)
+    return {"max_total_tokens": CPU_KV_TOKENS, "sleep_on_idle": True, **engine_kwargs, "device": "cpu",
             "prefill_attention_backend": CPU_ATTENTION, "decode_attention_backend": CPU_ATTENTION}
 
 

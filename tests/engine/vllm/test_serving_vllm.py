@@ -17,13 +17,15 @@ import json
 import urllib.request
 
 import pytest
-from helpers_embedded import smollm2_dir, smollm2_logit_lens_drafter, vllm_venv_python
+from helpers_embedded import smollm2_dir, smollm2_fitted_drafter, smollm2_logit_lens_drafter, vllm_venv_python
 
 from core.engines.vllm import EngineSettings, VLLMServer
 from eval.export import ExportConfig, export_checkpoint
 from serve import bench as serving
+from serve.doctor_findings import LOW_ACCEPT_LENGTH
 
 K = 3
+FIT_PROMPTS, FIT_TOKENS = 4, 32  # the healthy deployments' traffic: the drafter is fitted to it, the probe sends it
 PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 NAMES = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
          "vllm:spec_decode_num_accepted_tokens_total")
@@ -228,3 +230,46 @@ def test_the_doctor_finds_draft_steps_past_the_crossover_and_writes_vllms_schedu
     dense = json.loads(subprocess.run([vllm_venv_python(), "-c", check, json.dumps(schedule)], check=True,
                                       capture_output=True, text=True).stdout.strip().splitlines()[-1])
     assert dense[1] == plan[1]["best_k"] and dense[4] == dense[8] == plan[4]["best_k"]  # as vLLM will read it
+
+
+@pytest.fixture(scope="module")
+def fitted_export(tmp_path_factory):
+    """The drafter fitted to the probe's traffic (helpers_embedded.smollm2_fitted_drafter), exported for vLLM."""
+    root = tmp_path_factory.mktemp("fitted")
+    run = smollm2_fitted_drafter(root, FIT_PROMPTS, FIT_TOKENS)
+    return export_checkpoint(ExportConfig(ckpt=str(run), out=str(root / "export"), format="vllm",
+                                          target=str(smollm2_dir()), dtype="fp32")).out
+
+
+def _examine_healthy(url: str, drafter, out, *args: str) -> dict:
+    from serve import doctor
+
+    rc = doctor.main(["--url", url, "--drafter", str(drafter), "--tokenizer", str(smollm2_dir()), "--num-prompts", str(FIT_PROMPTS),
+                      "--max-tokens", str(FIT_TOKENS), "--json", str(out), *args])
+    result = json.loads(out.read_text())
+    assert result["findings"] == [], [f["code"] for f in result["findings"]]
+    assert rc == doctor.HEALTHY and result["healthy"]
+    assert 0 < result["probe"]["seconds"] < 120
+    return result
+
+
+@pytest.mark.parametrize("steps,max_model_len", [(K, 1024), (2, 2048)], ids=["3-drafts-beside-base", "2-drafts"])
+def test_the_doctor_finds_nothing_wrong_with_a_healthy_deployment(fitted_export, base_server, steps, max_model_len,
+                                                                   tmp_path):
+    """Two healthy deployments: the drafter fitted to the traffic it serves, its own ids and a context at least the
+    server's, served with 3 drafts (judged beside the base server at 1 and 4 streams: speculation pays at both) and
+    with 2 drafts in a longer context (no base: speed not judged). No finding at all, exit 0."""
+    settings = EngineSettings(target=str(smollm2_dir()), drafter=str(fitted_export), steps=steps,
+                              max_model_len=max_model_len, kv_cache_bytes=1 << 28)
+    with VLLMServer(settings, python=vllm_venv_python(), stats=True) as srv:
+        if steps == K:
+            result = _examine_healthy(srv.url, fitted_export, tmp_path / "healthy.json", "--base-url", base_server.url,
+                                      "--concurrency", "1,4")
+            assert all(r["aggregate_tok_s"]["ratio"] > 1.0 for r in result["probe"]["comparison"])
+            assert [p["best_k"] for p in result["probe"]["draft_plan"]] != [0, 0]
+        else:
+            result = _examine_healthy(srv.url, fitted_export, tmp_path / "healthy.json", "--concurrency", "1")
+            assert result["probe"]["speed"].startswith("not judged")
+    assert result["running"]["speculative_num_steps"] == steps
+    assert result["drafter"]["trained_layer_ids"] is not None  # the static checks ran on the served folder
+    assert result["probe"]["levels"][0]["accept_length"] >= LOW_ACCEPT_LENGTH  # the drafter fits
