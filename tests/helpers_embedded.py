@@ -108,10 +108,10 @@ def smollm2_logit_lens_drafter(folder: Path) -> Path:
 def smollm2_fitted_drafter(folder: Path, num_prompts: int, max_new_tokens: int) -> Path:
     """A drafter fitted to the traffic it serves, for a healthy deployment: trained by the real commands (``python -m
     extract`` regenerating the replies, ``train/main.py``) on the SmolLM2 target's own greedy replies to the first
-    ``num_prompts`` MT-bench first turns (the doctor's default probe prompts), cut at ``max_new_tokens``. 40 steps
-    over those few hundred tokens: fitted to this traffic, the good end of what a real drafter does (~3.7 tokens per
-    verify round at 3 steps, where drafters fitted to Kimi-K2 reach 2.4-3.5). ~45 s on 2 cores. Returns the run
-    folder (its latest checkpoint); export it with ``eval.export``."""
+    ``num_prompts`` MT-bench first turns (the doctor's default probe prompts), cut at ``max_new_tokens``
+    (configs/demo/train-fitted.yaml: 40 steps over those few hundred tokens): fitted to this traffic, the good end of
+    what a real drafter does (~3.7 tokens per verify round at 3 steps, where drafters fitted to Kimi-K2 reach
+    2.4-3.5). ~45 s on 2 cores. Returns the run folder (its latest checkpoint); export it with ``eval.export``."""
     import subprocess
     import sys
 
@@ -123,9 +123,8 @@ def smollm2_fitted_drafter(folder: Path, num_prompts: int, max_new_tokens: int) 
         [sys.executable, "-m", "extract", "--config", "configs/engine-truth/mtbench.yaml", "--target",
          str(smollm2_dir()), "--max-samples", str(num_prompts), "--max-new-tokens", str(max_new_tokens),
          "--out", str(data)],
-        [sys.executable, "train/main.py", "--config", "configs/demo/train.yaml", "--data", str(data), "--out",
-         str(run), "--max-steps", "40", "--lr", "3e-3", "--warmup-ratio", "0.05", "--ttt-steps", "3",
-         "--val-fraction", "0", "--eval-every", "0", "--save-every", "0", "--report-to", "none"],
+        [sys.executable, "train/main.py", "--config", "configs/demo/train-fitted.yaml", "--data", str(data), "--out",
+         str(run)],
     )
     for cmd in commands:
         res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
