@@ -105,17 +105,19 @@ def smollm2_logit_lens_drafter(folder: Path) -> Path:
     return folder
 
 
-def smollm2_fitted_drafter(folder: Path, num_prompts: int, max_new_tokens: int) -> Path:
+def smollm2_fitted_drafter(folder: Path, num_prompts: int, max_new_tokens: int, engine: str) -> Path:
     """A drafter fitted to the traffic it serves, for a healthy deployment: trained by the real commands (``python -m
     extract`` regenerating the replies, ``train/main.py``) on the SmolLM2 target's own greedy replies to the first
     ``num_prompts`` MT-bench first turns (the doctor's default probe prompts), cut at ``max_new_tokens``
     (configs/demo/train-fitted.yaml: 40 steps over those few hundred tokens): fitted to this traffic, the good end of
     what a real drafter does (~3.7 tokens per verify round at 3 steps, where drafters fitted to Kimi-K2 reach
-    2.4-3.5). ~45 s on 2 cores. Returns the run folder (its latest checkpoint); export it with ``eval.export``."""
+    2.4-3.5). ~45 s on 2 cores. Returns its export for ``engine`` (sglang or vllm; ``eval.export``, fp32)."""
     import subprocess
     import sys
 
     from helpers_paths import ROOT
+
+    from eval.export import ExportConfig, export_checkpoint
 
     data, run = folder / "data", folder / "run"
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
@@ -129,7 +131,8 @@ def smollm2_fitted_drafter(folder: Path, num_prompts: int, max_new_tokens: int) 
     for cmd in commands:
         res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
         assert res.returncode == 0, f"{cmd[1:3]} failed:\n{res.stdout[-2000:]}{res.stderr[-3000:]}"
-    return run
+    return export_checkpoint(ExportConfig(ckpt=str(run), out=str(folder / "export"), format=engine,
+                                          target=str(smollm2_dir()), dtype="fp32")).out
 
 
 def vllm_venv_python() -> str:

@@ -117,10 +117,7 @@ def test_the_doctor_finds_sglangs_cap_of_48_on_a_live_server(base, tmp_path, cap
 @pytest.fixture(scope="module")
 def fitted_export(tmp_path_factory):
     """The drafter fitted to the probe's traffic, exported for SGLang."""
-    root = tmp_path_factory.mktemp("fitted")
-    run = smollm2_fitted_drafter(root, FIT_PROMPTS, FIT_TOKENS)
-    return export_checkpoint(ExportConfig(ckpt=str(run), out=str(root / "export"), format="sglang",
-                                          target=str(smollm2_dir()), dtype="fp32")).out
+    return smollm2_fitted_drafter(tmp_path_factory.mktemp("fitted"), FIT_PROMPTS, FIT_TOKENS, "sglang")
 
 
 @pytest.mark.parametrize("steps,topk,draft_tokens", [(3, 1, 4), (3, 2, 6)], ids=["chain", "tree"])

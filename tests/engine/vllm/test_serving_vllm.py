@@ -237,10 +237,7 @@ def test_the_doctor_finds_draft_steps_past_the_crossover_and_writes_vllms_schedu
 @pytest.fixture(scope="module")
 def fitted_export(tmp_path_factory):
     """The drafter fitted to the probe's traffic (helpers_embedded.smollm2_fitted_drafter), exported for vLLM."""
-    root = tmp_path_factory.mktemp("fitted")
-    run = smollm2_fitted_drafter(root, FIT_PROMPTS, FIT_TOKENS)
-    return export_checkpoint(ExportConfig(ckpt=str(run), out=str(root / "export"), format="vllm",
-                                          target=str(smollm2_dir()), dtype="fp32")).out
+    return smollm2_fitted_drafter(tmp_path_factory.mktemp("fitted"), FIT_PROMPTS, FIT_TOKENS, "vllm")
 
 
 def _examine_healthy(url: str, drafter, out, *args: str) -> dict:
