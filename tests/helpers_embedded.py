@@ -106,12 +106,17 @@ def smollm2_logit_lens_drafter(folder: Path) -> Path:
 
 
 def smollm2_fitted_drafter(folder: Path, num_prompts: int, max_new_tokens: int, engine: str) -> Path:
-    """A drafter fitted to the traffic it serves, for a healthy deployment: trained by the real commands (``python -m
-    extract`` regenerating the replies, ``train/main.py``) on the SmolLM2 target's own greedy replies to the first
-    ``num_prompts`` MT-bench first turns (the doctor's default probe prompts), cut at ``max_new_tokens``
-    (configs/demo/train-fitted.yaml: 40 steps over those few hundred tokens): fitted to this traffic, the good end of
-    what a real drafter does (~3.7 tokens per verify round at 3 steps, where drafters fitted to Kimi-K2 reach
-    2.4-3.5). ~45 s on 2 cores. Returns its export for ``engine`` (sglang or vllm; ``eval.export``, fp32)."""
+    """A drafter fitted to the traffic it serves, for a healthy deployment, exported for ``engine`` (sglang or vllm;
+    ``eval.export``, fp32) into ``folder``.
+
+    Trained by the real commands (``python -m extract`` regenerating the replies, ``train/main.py``) on the SmolLM2
+    target's own greedy replies to the first ``num_prompts`` MT-bench first turns (the doctor's default probe
+    prompts), cut at ``max_new_tokens`` (configs/demo/train-fitted.yaml: 40 steps over those few hundred tokens):
+    fitted to this traffic, the good end of what a real drafter does (~3.8 tokens per verify round at 3 steps, where
+    drafters fitted to Kimi-K2 reach 2.4-3.5). ~45 s on 2 cores, once per cache: the checkpoint is kept under
+    ``$REDRAFT_CACHE/test-drafters`` (tests/conftest.py: the clone's .cache/redraft), keyed by the two configs and
+    the traffic, so CI's vLLM and SGLang lanes train it once."""
+    import hashlib
     import subprocess
     import sys
 
@@ -119,19 +124,28 @@ def smollm2_fitted_drafter(folder: Path, num_prompts: int, max_new_tokens: int, 
 
     from eval.export import ExportConfig, export_checkpoint
 
-    data, run = folder / "data", folder / "run"
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
-    commands = (
-        [sys.executable, "-m", "extract", "--config", "configs/engine-truth/mtbench.yaml", "--target",
-         str(smollm2_dir()), "--max-samples", str(num_prompts), "--max-new-tokens", str(max_new_tokens),
-         "--out", str(data)],
-        [sys.executable, "train/main.py", "--config", "configs/demo/train-fitted.yaml", "--data", str(data), "--out",
-         str(run)],
-    )
-    for cmd in commands:
-        res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-        assert res.returncode == 0, f"{cmd[1:3]} failed:\n{res.stdout[-2000:]}{res.stderr[-3000:]}"
-    return export_checkpoint(ExportConfig(ckpt=str(run), out=str(folder / "export"), format=engine,
+    configs = ("configs/engine-truth/mtbench.yaml", "configs/demo/train-fitted.yaml")
+    key = hashlib.sha256(b"".join((ROOT / c).read_bytes() for c in configs)
+                         + f"{num_prompts}/{max_new_tokens}".encode()).hexdigest()[:12]
+    cached = Path(os.environ.get(CACHE_ENV) or _session_cache()) / "test-drafters" / f"smollm2-fitted-{key}"
+    if not (cached / "run" / "latest").exists():
+        work = cached.with_name(f"{cached.name}.tmp-{os.getpid()}")
+        shutil.rmtree(work, ignore_errors=True)
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+        commands = (
+            [sys.executable, "-m", "extract", "--config", configs[0], "--target", str(smollm2_dir()), "--max-samples",
+             str(num_prompts), "--max-new-tokens", str(max_new_tokens), "--out", str(work / "data")],
+            [sys.executable, "train/main.py", "--config", configs[1], "--data", str(work / "data"), "--out",
+             str(work / "run")],
+        )
+        for cmd in commands:
+            res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+            assert res.returncode == 0, f"{cmd[1:3]} failed:\n{res.stdout[-2000:]}{res.stderr[-3000:]}"
+        try:
+            work.rename(cached)  # whole or not at all; another process may have got there first
+        except OSError:
+            shutil.rmtree(work, ignore_errors=True)
+    return export_checkpoint(ExportConfig(ckpt=str(cached / "run"), out=str(folder / "export"), format=engine,
                                           target=str(smollm2_dir()), dtype="fp32")).out
 
 
