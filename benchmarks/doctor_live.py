@@ -52,17 +52,15 @@ log = logging.getLogger("bench.doctor_live")
 TARGET = "smollm2-135m-instruct"
 KIMI = "kimi-k25-mini"
 CONTEXT = 1024
-DRAFTER_DATA = {"fitted": "mtbench", "other-data": "chitchat", "kimi-fitted": "mtbench"}
-# how each drafter is made: the extraction config and the training config (+ overrides)
+# each drafter: its data (the target's replies to it), the extraction config and the training config (+ overrides)
 RECIPES = {
-    "fitted": ("configs/engine-truth/mtbench.yaml", ["--config", "configs/demo/train-fitted.yaml"]),
-    "other-data": ("configs/engine-truth/mtbench.yaml", ["--config", "configs/demo/train-fitted.yaml"]),
+    "fitted": ("mtbench", "configs/engine-truth/mtbench.yaml", ["--config", "configs/demo/train-fitted.yaml"]),
+    "other-data": ("chitchat", "configs/engine-truth/mtbench.yaml", ["--config", "configs/demo/train-fitted.yaml"]),
     # Kimi-K2.5's miniature and its MLA drafter (the shape engine-truth's Kimi lane trains), fitted the same way
-    "kimi-fitted": ("configs/engine-truth/kimi-mtbench.yaml",
+    "kimi-fitted": ("mtbench", "configs/engine-truth/kimi-mtbench.yaml",
                     ["--config", "configs/engine-truth/kimi-train-mla.yaml", "--max-steps", "40", "--lr", "3e-3",
                      "--ttt-steps", "3", "--val-fraction", "0", "--eval-every", "0", "--save-every", "0"]),
 }
-SPEED = ("no-gain-one-stream", "loses-at-concurrency")
 
 
 @dataclass
@@ -114,10 +112,10 @@ def train_drafter(work: Path, name: str, target: Path, prompts: int, max_tokens:
     """Regenerate the target's replies (with transformers, greedily) to ``prompts`` records of the drafter's data,
     then train on them (``RECIPES``)."""
     data, ckpt = work / name / "data", work / name / "run"
-    extract_config, train_args = RECIPES[name]
+    data_name, extract_config, train_args = RECIPES[name]
     if not (data / "manifest.json").is_file():
         run([sys.executable, "-m", "extract", "--config", extract_config, "--target", str(target), "--regen-backend",
-             "hf", "--data", DRAFTER_DATA[name], "--max-samples", str(prompts), "--max-new-tokens", str(max_tokens),
+             "hf", "--data", data_name, "--max-samples", str(prompts), "--max-new-tokens", str(max_tokens),
              "--out", str(data)], work / f"{name}-extract.log")
     if not (ckpt / "latest").exists():
         run([sys.executable, "train/main.py", *train_args, "--data", str(data), "--out", str(ckpt)],
@@ -281,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     engines = [e for e in args.engines.split(",") if e]
     if not set(engines) <= {"vllm", "sglang"}:
         ap.error(f"--engines {args.engines}: expected vllm and/or sglang")
+    if args.prompts < 1 or args.max_tokens < 1:
+        ap.error(f"--prompts {args.prompts} --max-tokens {args.max_tokens}: both must be at least 1")
     from catalog.builtin import resolve_target
 
     work = Path(args.work or tempfile.mkdtemp(prefix="doctor-live-"))
@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     targets = {TARGET: resolve_target(TARGET), **({KIMI: resolve_target(KIMI)} if "sglang" in engines else {})}
     ckpts = {name: train_drafter(work, name, targets[KIMI if name.startswith("kimi") else TARGET], args.prompts,
                                  args.max_tokens)
-             for name in DRAFTER_DATA if not name.startswith("kimi") or "sglang" in engines}
+             for name in RECIPES if not name.startswith("kimi") or "sglang" in engines}
     rows = [r for engine in engines for r in engine_rows(engine, targets, ckpts, args, work)]
     healthy = [r for r in rows if r["planted"] == "none"]
     summary = {"planted": sum(r["planted"] != "none" for r in rows),
