@@ -43,9 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.reporting import publish  # noqa: E402
+from reporting import publish
 
 log = logging.getLogger("bench.capture_speed")
 
@@ -130,7 +128,8 @@ def _seconds(fn: Any) -> float:
 
 def measure_target(name: str, args: argparse.Namespace) -> dict[str, Any]:
     """Interleaved repeats of bare / hf / vllm on one target's batches."""
-    from benchmarks.extract_throughput import Bare
+    from extract_throughput import Bare
+
     from catalog.builtin import resolve_target
     from core.batching import pack_batches
     from extract.backends.base import TeacherSpec

@@ -43,11 +43,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from reporting import publish
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.reporting import publish  # noqa: E402
-
 log = logging.getLogger("bench.doctor_live")
 TARGET = "smollm2-135m-instruct"
 KIMI = "kimi-k25-mini"

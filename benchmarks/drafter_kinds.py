@@ -47,11 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from retrain_gain import (  # noqa: E402
+from retrain_gain import (
     BenchError,
     Stages,
     first_exchanges,
@@ -60,8 +56,9 @@ from retrain_gain import (  # noqa: E402
     train_done,
 )
 
-from core.atomic import atomic_write_text  # noqa: E402
+from core.atomic import atomic_write_text
 
+ROOT = Path(__file__).resolve().parents[1]
 log = logging.getLogger("bench.drafter_kinds")
 
 DEFAULT_CONFIG = ROOT / "configs/demo/drafter_kinds.yaml"

@@ -18,11 +18,8 @@ import json
 import resource
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.reporting import child_case, publish  # noqa: E402
+from reporting import child_case, publish
 
 HEADS, TOPK, STEPS, DRAFT_TOKENS = 64, 2, 3, 6
 

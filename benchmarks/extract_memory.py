@@ -2,7 +2,7 @@
 
 The stand-in target has Kimi-K2.5's hidden size (7168) and 3 captured layers, so every captured token
 is 86 KB of fp32 features as on the real model, while its weights stay tiny
-(``tests/helpers_models.make_kimi_shaped_standin``). The data are long conversations. Each run is the
+(``catalog.tiny_models.make_kimi_shaped_standin``). The data are long conversations. Each run is the
 real command line (``python -m extract``) in a fresh child process; its peak RSS is the child's
 ``ru_maxrss`` (``os.wait4``). The goal (issue 13) is that the peak stays within
 
@@ -61,8 +61,7 @@ class Run:
 
 def build_world(root: Path, *, samples: int, words: int, seed: int = 0) -> tuple[Path, Path]:
     """The stand-in target and `samples` long conversations (one user turn, one long reply)."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from helpers_models import make_kimi_shaped_standin
+    from catalog.tiny_models import make_kimi_shaped_standin
 
     target = root / "kimi-shaped"
     if not (target / "config.json").exists():

@@ -44,8 +44,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 log = logging.getLogger("bench.extract_throughput")
 
 KIMI_HIDDEN = 7168

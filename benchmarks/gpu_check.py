@@ -1,9 +1,10 @@
 """The prepared GPU check: one script a lent CUDA device runs in a few minutes, with a bare image's packages.
 
-    python benchmarks/gpu_check.py --out docs/results/gpu-check        # on a CUDA device: Kimi-K2.5's drafter shape
-    python benchmarks/gpu_check.py --tiny --out /tmp/gpu-check         # anywhere (CI, on a CPU): the same code, tiny
+    PYTHONPATH=. python benchmarks/gpu_check.py --out docs/results/gpu-check   # on a CUDA device: Kimi-K2.5's shape
+    python benchmarks/gpu_check.py --tiny --out /tmp/gpu-check                 # where redraft is installed: tiny
 
-Needs torch, transformers and safetensors (what a bare device image holds), and this repository. It measures, in
+Needs torch, transformers and safetensors (what a bare device image holds), and this repository: installed, or
+on PYTHONPATH (a bare image, where nothing is installed: run it from the repository root as above). It measures, in
 order, each part recorded even when a later one fails:
 
 1. **matmul**: the dense bf16 matmul rate this device achieves (8192^3 products), the yardstick below;
@@ -40,11 +41,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.loader_throughput import DRAFTER, KIMI, drafter_flops_per_token  # noqa: E402
-from benchmarks.reporting import publish  # noqa: E402
+from loader_throughput import DRAFTER, KIMI, drafter_flops_per_token
+from reporting import publish
 
 IMPLS = ("eager", "sdpa", "flex")
 TINY_DRAFTER = {**DRAFTER, "hidden_size": 64, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 80,

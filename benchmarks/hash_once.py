@@ -27,12 +27,10 @@ import time
 from pathlib import Path
 
 import torch
+from reporting import publish
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.reporting import publish  # noqa: E402
-from core.dataset.format import SampleFeatures, shard_relpath  # noqa: E402
-from core.dataset.writer import finalize_dataset, read_shard_info, write_shard  # noqa: E402
+from core.dataset.format import SampleFeatures, shard_relpath
+from core.dataset.writer import finalize_dataset, read_shard_info, write_shard
 
 KIMI = {"hidden": 7168, "num_aux": 3, "topk": 64, "vocab": 163840}
 

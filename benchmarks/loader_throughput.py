@@ -28,15 +28,13 @@ import time
 from pathlib import Path
 
 import torch
+from reporting import publish
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.reporting import publish  # noqa: E402
-from core.dataset.batch import collate  # noqa: E402
-from core.dataset.format import SampleFeatures  # noqa: E402
-from core.dataset.reader import DatasetReader  # noqa: E402
-from core.dataset.stored import collate_stored  # noqa: E402
-from core.dataset.writer import finalize_dataset, write_shard  # noqa: E402
+from core.dataset.batch import collate
+from core.dataset.format import SampleFeatures
+from core.dataset.reader import DatasetReader
+from core.dataset.stored import collate_stored
+from core.dataset.writer import finalize_dataset, write_shard
 
 KIMI = {"hidden": 7168, "num_aux": 3, "topk": 64, "vocab": 163840}
 # The Kimi-K2.5 MLA drafter (configs/kimi-k25/train-mla.yaml)

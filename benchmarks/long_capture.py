@@ -45,11 +45,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from reporting import publish
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.reporting import publish  # noqa: E402
-
 log = logging.getLogger("bench.long_capture")
 TARGET = "kimi-k25-mini"
 BACKENDS = ("hf", "vllm", "sglang")
@@ -244,9 +242,9 @@ def spawn_case(backend: str, data: Path, length: int, work: Path, timeout: float
 
 def compare(hf: dict[str, Any], engine: dict[str, Any]) -> dict[str, Any]:
     """The engine's saved capture against HF's, per aux layer and teacher (benchmarks.capture_speed's rule)."""
+    from capture_speed import _row_rel, compare_captures
     from safetensors.torch import load_file
 
-    from benchmarks.capture_speed import _row_rel, compare_captures
     from extract.backends.base import Captured
 
     a, b = (Captured(**load_file(x["save"])) for x in (hf, engine))

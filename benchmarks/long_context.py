@@ -23,12 +23,9 @@ import json
 import resource
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.reporting import child_case, publish  # noqa: E402
+from reporting import child_case, publish
 
 HEADS, HIDDEN, DRAFT_VOCAB, VOCAB, TOPK, STEPS = 2, 256, 4096, 16384, 8, 3
 DEFAULT_SEQS = "4096,8192,16384,32768,65536,131072"
@@ -86,9 +83,9 @@ def _case(seq: int, path: str) -> dict:
 def kimi_width_bytes(seq: int = 128) -> dict:
     """Bytes kept for the backward per token by one training step at the Kimi drafter's shape, bf16 (CPU)."""
     import torch
+    from gpu_check import _drafter as kimi_drafter
+    from loader_throughput import DRAFTER
 
-    from benchmarks.gpu_check import _drafter as kimi_drafter
-    from benchmarks.loader_throughput import DRAFTER
     from core.teacher_targets import teacher_from_topk
     from train.ttt import ttt_forward
 

@@ -31,16 +31,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from retrain_gain import BenchError, Stages, has_manifest
+
+from catalog.builtin import chitchat_records
+from catalog.long_chats import long_chats, transcripts
+from core.atomic import atomic_write_text
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from retrain_gain import BenchError, Stages, has_manifest  # noqa: E402
-
-from catalog.builtin import chitchat_records  # noqa: E402
-from catalog.long_chats import long_chats, transcripts  # noqa: E402
-from core.atomic import atomic_write_text  # noqa: E402
-
 log = logging.getLogger("long_context_gain")
 
 def chats_file(count: int, first: int, texts: list[str], max_prompt_tokens: int, out: Path) -> Path:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -137,7 +138,13 @@ def compare(samples: list[tuple[str, list[int], list[bool]]], generated: list[tu
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    sys.path.insert(0, str(Path(args.code).resolve()))
+    code = Path(args.code).resolve()
+    if code != Path(__file__).resolve().parents[1] and os.environ.get("REDRAFT_BENCH_CODE") != str(code):
+        # another checkout's extraction: this script again, with that checkout first on the path
+        paths = [str(code), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "REDRAFT_BENCH_CODE": str(code)}
+        os.execve(sys.executable, [sys.executable, str(Path(__file__).resolve()),
+                                   *(sys.argv[1:] if argv is None else argv)], env)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import extract
     import extract.pipeline as pipeline

@@ -33,8 +33,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 log = logging.getLogger("bench.regen_throughput")
 
 

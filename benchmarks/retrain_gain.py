@@ -50,14 +50,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from retrain_gain_report import diagnosis, goals, markdown, print_summary, write_plot
+
+from core.atomic import atomic_write_text
+from core.drafter.folder import WEIGHTS_NAME, CheckpointError, read_record, resolve_drafter_folder
+from core.errors import Failure
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from retrain_gain_report import diagnosis, goals, markdown, print_summary, write_plot  # noqa: E402
-
-from core.atomic import atomic_write_text  # noqa: E402
-from core.drafter.folder import WEIGHTS_NAME, CheckpointError, read_record, resolve_drafter_folder  # noqa: E402
-
 log = logging.getLogger("bench.retrain_gain")
 
 DEFAULT_CONFIG = ROOT / "configs/demo/retrain_gain.yaml"
@@ -67,7 +66,7 @@ HIDDEN_KEYS = ("aux_hidden", "aux_scale")
 TEACHER_KEYS = {"topk": ("topk_ids", "topk_logprobs"), "last_hidden": ("last_hidden", "last_scale")}
 
 
-class BenchError(RuntimeError):
+class BenchError(Failure):
     """A stage failed or the work folder belongs to other settings; the message says which and where."""
 
 

@@ -26,16 +26,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from catalog.builtin import resolve_target  # noqa: E402
-from core.atomic import atomic_write_text  # noqa: E402
-from core.engines.counters import aggregate  # noqa: E402
-from core.engines.request import TokenRequest  # noqa: E402
-from core.engines.vllm import EngineSettings, VLLMEngine, VLLMServer  # noqa: E402
-from eval.online import engine_drafter  # noqa: E402
-from serve.bench import ServingConfig, run_benchmark  # noqa: E402
-from serve.prompts import encode_chat_prompts, load_prompts  # noqa: E402
+from catalog.builtin import resolve_target
+from core.atomic import atomic_write_text
+from core.engines.counters import aggregate
+from core.engines.request import TokenRequest
+from core.engines.vllm import EngineSettings, VLLMEngine, VLLMServer
+from eval.online import engine_drafter
+from serve.bench import ServingConfig, run_benchmark
+from serve.prompts import encode_chat_prompts, load_prompts
 
 log = logging.getLogger("bench.serving_counters_check")
 FIELDS = ("tau", "num_drafts", "num_accepted_tokens", "num_accepted_tokens_per_pos", "output_tokens")

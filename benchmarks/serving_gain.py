@@ -35,11 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from serving_gain_report import (  # noqa: E402
+from serving_gain_report import (
     DEFINITIONS,
     detail_rows,
     headline_rows,
@@ -50,19 +46,21 @@ from serving_gain_report import (  # noqa: E402
     write_plot,
 )
 
-from core.atomic import atomic_write_text  # noqa: E402
-from core.config import parse_hyphenated  # noqa: E402
-from core.engines.vllm import EngineError, engine_python  # noqa: E402
-from serve.repeats import ServerOptions, ServerSpec, SweepError, run_interleaved  # noqa: E402
-from serve.report import exit_for_failed_levels  # noqa: E402
+from core.atomic import atomic_write_text
+from core.config import parse_hyphenated
+from core.engines.vllm import EngineError, engine_python
+from core.errors import UserError
+from serve.repeats import ServerOptions, ServerSpec, SweepError, run_interleaved
+from serve.report import exit_for_failed_levels
 
+ROOT = Path(__file__).resolve().parents[1]
 log = logging.getLogger("bench.serving_gain")
 SERVERS = ("base", "A", "B")
 DEFAULT_A = "runs/retrain-gain/drafters/A"
 DEFAULT_B = "runs/retrain-gain/drafters/B"
 
 
-class GainError(RuntimeError):
+class GainError(UserError):
     """Bad options, a missing drafter, or a server that failed; the message says which."""
 
 

@@ -6,7 +6,7 @@ SGLang 0.5.23's own engine (its scheduler, model code and aux-hidden-state captu
 SGLang CPU venv (``make sglang-cpu-venv``) with redraft's stand-in for its compiled kernels
 (``core/engines/sglang_cpu``: the attention of its ``intel_amx`` backend and bookkeeping ops, plain PyTorch).
 Per target (SmolLM2: Llama, GQA; kimi-k25-mini: DeepSeek-V3 MLA + MoE + YaRN, 4 layers; a random 6-layer
-DeepSeek-V3 with Kimi's YaRN, built by ``tests/helpers_models.make_served_deepseek_v3``), in fp32, on MT-bench
+DeepSeek-V3 with Kimi's YaRN, built by ``catalog.tiny_models.make_served_deepseek_v3``), in fp32, on MT-bench
 first turns rendered with the target's template and a run of arbitrary ids: every layer SGLang can return
 (``0 .. L-2``, asked through ``core.layers``) against the HF backend's output of the same layer, per token
 ||sglang - hf|| / ||hf|| (median and max per layer), the teacher's top-1 ids and top-k log-probabilities; then
@@ -26,11 +26,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from reporting import publish
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.reporting import publish  # noqa: E402
-
 log = logging.getLogger("bench.sglang_capture")
 DEEPSEEK6 = "deepseek-v3-6"  # the random 6-layer DeepSeek-V3 (built here, not a built-in target)
 
@@ -101,13 +99,13 @@ def timed_default_capture(path: Path, seqs: list[list[int]], python: str | None,
 
 
 def measure_target(name: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    from benchmarks.capture_speed import compare_captures
+    from capture_speed import compare_captures
+
     from catalog.builtin import resolve_target
     from core import layers
 
     if name == DEEPSEEK6:
-        sys.path.insert(0, str(ROOT / "tests"))
-        from helpers_models import make_served_deepseek_v3
+        from catalog.tiny_models import make_served_deepseek_v3
 
         path = make_served_deepseek_v3(work / DEEPSEEK6)
     else:

@@ -51,7 +51,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-grad-norm", type=float, default=0.5)
     a = ap.parse_args(argv)
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: conformance/
     import torch
 
     from conformance import specforge_ref as ref  # first: it turns torch.compile off before torch loads

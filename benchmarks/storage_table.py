@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from reporting import publish
 
-from benchmarks.reporting import publish  # noqa: E402
-from core.dataset.format import bytes_per_token  # noqa: E402
+from core.dataset.format import bytes_per_token
 
 KIMI = {"hidden_size": 7168, "num_aux": 3}  # Kimi-K2.5: hidden 7168, EAGLE-3's three aux layers
 LAYOUTS = [("fp8", ("topk",), 64), ("bf16", ("topk",), 64), ("fp8", ("last_hidden",), 0)]

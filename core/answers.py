@@ -13,8 +13,10 @@ from typing import Any
 
 import torch
 
+from core.errors import UserError
 
-class AnswersError(ValueError):
+
+class AnswersError(UserError):
     """The samples give no request (no answer with a prompt, or no teacher to find the target's argmax)."""
 
 

@@ -1,11 +1,9 @@
-"""How a command ends on a mistake: one line naming the file, key or value, and an exit code, never a traceback.
+"""How every command ends: one line and exit 2 on the user's mistake, one line and the failure's code when
+something it ran failed, a traceback and exit 1 on a bug in redraft (``core.errors``).
 
-The project's own errors say what is wrong in their message (``ConfigError``: an option or config key;
-``DatasetError``: a dataset file; ``CheckpointError``: a drafter or checkpoint folder; a missing file), so they end
-the command with that one line and exit code 2 (the user's input). ``EngineError`` (an engine that failed or is
-missing; its message carries the engine log's first traceback) ends it with exit code 1, and ``PeerGone`` (the
-other side of a stream is gone) with the code it carries (2 when that side refused the user's input, else 1).
-Anything else is a bug and keeps its traceback.
+Every command line of redraft (the stages, the pipelines, the benchmarks, the conformance checks, the ``redraft``
+command) ends through :func:`run`. A missing file or folder the user named (``FileNotFoundError``,
+``NotADirectoryError`` with a file name) is the user's input too.
 """
 
 from __future__ import annotations
@@ -14,32 +12,20 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from core.config import ConfigError
-from core.dataset.format import DatasetError
-from core.dataset.liveness import PeerGone
-from core.drafter.folder import CheckpointError
-from core.engines.driver_protocol import EngineError
-
-USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, DatasetError, CheckpointError, FileNotFoundError,
-                                                NotADirectoryError)
+from core.errors import Failure, UserError
 
 
-def run(main: Callable[[], Any], log: logging.Logger, user_errors: tuple[type[BaseException], ...] = ()) -> int:
-    """Call ``main``; its exit code when it returns one (an int), else 0; 2 on a user's mistake (one line), 1 when an
-    engine failed.
-
-    ``user_errors``: a stage's own error types that also name the problem (e.g. a bad input record)."""
+def run(main: Callable[[], Any], log: logging.Logger) -> int:
+    """Call ``main``; its exit code when it returns one (an int), else 0; 2 on a ``UserError`` (one line), the
+    failure's code on a ``Failure`` (one line); anything else is raised (a bug: its traceback, exit 1)."""
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         rc = main()
-    except USER_ERRORS + user_errors as e:
+    except (UserError, FileNotFoundError, NotADirectoryError) as e:
         log.error("%s", _one_line(e))
         return 2
-    except EngineError as e:
-        log.error("%s", e)
-        return 1
-    except PeerGone as e:
+    except Failure as e:
         log.error("%s", e)
         return e.exit_code
     return rc if isinstance(rc, int) and not isinstance(rc, bool) else 0

@@ -16,8 +16,10 @@ from typing import Any
 
 import yaml
 
+from core.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError):
     """A bad option value or an unknown key; the message names the key and the file."""
 
 

@@ -32,12 +32,18 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+from core.errors import UserError
+
 AUX_LAYER_CONVENTION = (
     "aux layer id i = output of decoder layer i (0-based) = HF output_hidden_states[i+1] "
     "= the residual stream SGLang/vLLM capture at the input of layer i+1"
 )
 
 ENGINES = ("sglang", "vllm")
+
+
+class LayerError(UserError):
+    """Aux layer ids that a target or an engine cannot take; the message names the ids and the limit."""
 
 # Architectures served by SGLang's deepseek_v2.py, which adds 1 to configured ids only when ids[0] == 1.
 _DEEPSEEK_FAMILY = re.compile(r"^(DeepseekV2|DeepseekV3|KimiK2|KimiK25)", re.IGNORECASE)
@@ -55,7 +61,7 @@ def default_aux_layer_ids(num_layers: int, architecture: str | None = None) -> l
     del architecture
     n = int(num_layers)
     if n < MIN_LAYERS:
-        raise ValueError(f"need at least {MIN_LAYERS} decoder layers to pick 3 aux layers every engine can capture "
+        raise LayerError(f"need at least {MIN_LAYERS} decoder layers to pick 3 aux layers every engine can capture "
                          f"(SGLang never returns the last layer's output), got num_layers={n}")
     if n >= 8:
         return [1, n // 2 - 1, n - 4]
@@ -68,15 +74,15 @@ def validate_aux_layer_ids(ids: Sequence[int], num_layers: int) -> list[int]:
     """Return ids sorted ascending (the concatenation order of aux features); reject bad ones loudly."""
     ids = list(ids)
     if not ids:
-        raise ValueError("aux layer ids must name at least one layer, got []")
+        raise LayerError("aux layer ids must name at least one layer, got []")
     out: list[int] = []
     for i in ids:
         if isinstance(i, bool) or not isinstance(i, int):
-            raise ValueError(f"aux layer id {i!r} is not an int (valid range [0, {num_layers}))")
+            raise LayerError(f"aux layer id {i!r} is not an int (valid range [0, {num_layers}))")
         if not 0 <= i < num_layers:
-            raise ValueError(f"aux layer id {i} is out of range [0, {num_layers}) for a {num_layers}-layer target")
+            raise LayerError(f"aux layer id {i} is out of range [0, {num_layers}) for a {num_layers}-layer target")
         if i in out:
-            raise ValueError(f"aux layer id {i} appears twice in {ids}")
+            raise LayerError(f"aux layer id {i} appears twice in {ids}")
         out.append(i)
     return sorted(out)
 
@@ -88,8 +94,8 @@ def check_servable(ids: Sequence[int], architecture: str, num_layers: int | None
     for engine in ENGINES:
         try:
             to_engine_layer_ids(ids, engine, architecture, num_layers)
-        except ValueError as e:
-            raise ValueError(f"aux layer ids {sorted(ids)}: {e}") from None
+        except LayerError as e:
+            raise LayerError(f"aux layer ids {sorted(ids)}: {e}") from None
 
 
 def serving_family(architecture: str) -> str:
@@ -99,7 +105,7 @@ def serving_family(architecture: str) -> str:
 
 def _check_engine(engine: str) -> None:
     if engine not in ENGINES:
-        raise ValueError(f"unknown serving engine {engine!r}; expected one of {ENGINES}")
+        raise LayerError(f"unknown serving engine {engine!r}; expected one of {ENGINES}")
 
 
 def to_engine_layer_ids(ids: Sequence[int], engine: str, architecture: str,
@@ -114,11 +120,11 @@ def to_engine_layer_ids(ids: Sequence[int], engine: str, architecture: str,
     _check_engine(engine)
     ids = sorted(int(i) for i in ids)
     if not ids:
-        raise ValueError("no layer ids to convert")
+        raise LayerError("no layer ids to convert")
     if min(ids) < 0:
-        raise ValueError(f"negative layer id in {ids}")
+        raise LayerError(f"negative layer id in {ids}")
     if engine == "sglang" and num_layers is not None and max(ids) >= int(num_layers) - 1:
-        raise ValueError(
+        raise LayerError(
             f"layer {max(ids)} cannot be captured by SGLang for a {num_layers}-layer target ({architecture}): "
             f"SGLang captures the input of layer i + 1, and the last layer ({int(num_layers) - 1}) has no next "
             f"layer; use ids up to {int(num_layers) - 2}"
@@ -148,13 +154,13 @@ def from_engine_layer_ids(ids: Sequence[int], engine: str, architecture: str) ->
     _check_engine(engine)
     written = [int(i) for i in ids]
     if not written:
-        raise ValueError("no layer ids to convert")
+        raise LayerError("no layer ids to convert")
     if engine == "sglang" and (serving_family(architecture) == "llama" or written[0] == 1):
         ours = sorted(written)
     else:
         ours = sorted(i - 1 for i in written)
     if min(ours) < 0:
-        raise ValueError(
+        raise LayerError(
             f"{engine} layer ids {written} ({architecture}) include the embedding output (input of layer 0), "
             "which is not a decoder-layer output"
         )

@@ -52,19 +52,17 @@ from typing import Any
 
 import torch
 
-if __package__ in (None, ""):  # run as a script path: make the repo root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from core import options  # noqa: E402
-from core.atomic import atomic_write_text  # noqa: E402
-from core.dataset.batch import collate  # noqa: E402
-from core.dataset.reader import DatasetReader  # noqa: E402
-from core.layers import ENGINES  # noqa: E402
-from core.options import option  # noqa: E402
-from eval import engine_walk as walk  # noqa: E402
-from eval import simulate as sim  # noqa: E402
-from eval.acceptance_report import format_markdown, format_table, write_plot  # noqa: E402
-from eval.evaluation_inputs import (  # noqa: E402
+from core import cli as ending
+from core import options
+from core.atomic import atomic_write_text
+from core.dataset.batch import collate
+from core.dataset.reader import DatasetReader
+from core.layers import ENGINES
+from core.options import option
+from eval import engine_walk as walk
+from eval import simulate as sim
+from eval.acceptance_report import format_markdown, format_table, write_plot
+from eval.evaluation_inputs import (
     AcceptanceError,
     inspect_checkpoint,
     load_drafter,
@@ -516,9 +514,7 @@ def _json_default(x: Any) -> Any:
 
 def cli(argv: list[str] | None = None) -> int:
     """The command line: ``main`` ended as core.cli ends every command (one line and exit 2 on a mistake)."""
-    from core import cli as ending
-
-    return ending.run(lambda: main(argv), logging.getLogger("eval.acceptance"), (AcceptanceError,))
+    return ending.run(lambda: main(argv), logging.getLogger("eval.acceptance"))
 
 
 if __name__ == "__main__":

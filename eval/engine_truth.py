@@ -21,19 +21,16 @@ import logging
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from core import cli as ending
 from core import options
-from core.atomic import atomic_write_text  # noqa: E402
+from core.atomic import atomic_write_text
 from core.config import ConfigError
 from core.options import option
-from eval import acceptance, online  # noqa: E402
-from eval.acceptance_report import format_table  # noqa: E402
-from eval.engine_walk import POSITION_BUCKETS  # noqa: E402
+from eval import acceptance, online
+from eval.acceptance_report import format_table
+from eval.engine_walk import POSITION_BUCKETS
 
 log = logging.getLogger(__name__)
 
@@ -275,9 +272,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def cli(argv: list[str] | None = None) -> int:
     """The command line: ``main`` ended as core.cli ends every command (one line and exit 2 on a mistake)."""
     # ValueError too: the drafter and layer rules (core.drafter, core.layers) refuse by key with it
-    from core import cli as ending
-
-    return ending.run(lambda: main(argv), logging.getLogger("eval.engine_truth"), (online.OnlineError, ValueError))
+    return ending.run(lambda: main(argv), logging.getLogger("eval.engine_truth"))
 
 
 if __name__ == "__main__":

@@ -17,13 +17,14 @@ import torch
 from core.batching import pack_batches
 from core.drafter.folder import CheckpointError, load_drafter_checkpoint, read_record, resolve_drafter_folder
 from core.drafter.kinds import build_drafter
+from core.errors import UserError
 from core.target_weights import read_target_tensor, weight_key_candidates
 from core.teacher_targets import teacher_from_last_hidden, teacher_from_topk, topk_argmax
 
 log = logging.getLogger(__name__)
 
 
-class AcceptanceError(ValueError):
+class AcceptanceError(UserError):
     """A checkpoint, dataset or option combination that cannot be evaluated; the message names both sides."""
 
 

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from core import cli as ending
 from core import options
 from core.config import ConfigError
 from core.drafter.config import DrafterConfig
@@ -62,6 +63,7 @@ from core.engines.launch import (  # noqa: F401
     sglang_command,
     vllm_command,
 )
+from core.errors import UserError
 from core.layers import to_engine_layer_ids, versions_reading
 from core.options import option
 from core.target_weights import text_config, weight_key_candidates
@@ -70,7 +72,7 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
-class ExportError(ValueError):
+class ExportError(UserError):
     """An export that cannot be done as asked (bad input folder, OUT in the way, bad serving flags)."""
 
 
@@ -484,9 +486,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def cli(argv: list[str] | None = None) -> int:
     """The command line: ``main`` ended as core.cli ends every command (one line and exit 2 on a mistake)."""
-    from core import cli as ending
-
-    return ending.run(lambda: main(argv), logging.getLogger("eval.export"), (ExportError, ServingFormatError))
+    return ending.run(lambda: main(argv), logging.getLogger("eval.export"))
 
 
 if __name__ == "__main__":

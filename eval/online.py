@@ -39,24 +39,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script path: make the repo root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from core import cli as ending
 from core import options
 from core.answers import AnswersError, build_requests
-from core.atomic import atomic_write_text  # noqa: E402
+from core.atomic import atomic_write_text
 from core.engines.counters import aggregate
-from core.engines.driver_protocol import EngineError  # noqa: E402
-from core.engines.launch import engine_interpreter, is_export
-from core.engines.request import TokenRequest  # noqa: E402
-from core.engines.vllm import EngineSettings, VLLMEngine  # noqa: E402
+from core.engines.driver_protocol import EngineError
+from core.engines.interpreters import engine_interpreter
+from core.engines.launch import is_export
+from core.engines.request import TokenRequest
+from core.engines.vllm import EngineSettings, VLLMEngine
+from core.errors import UserError
 from core.options import option
-from core.target_weights import text_config  # noqa: E402
+from core.target_weights import text_config
 
 log = logging.getLogger(__name__)
 
 
-class OnlineError(RuntimeError):
+class OnlineError(UserError):
     """The engine cannot be run as asked (missing venv, failed engine, bad inputs); the message says what to do."""
 
 
@@ -411,9 +411,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 def cli(argv: list[str] | None = None) -> int:
     """The command line: ``main`` ended as core.cli ends every command (one line and exit 2 on a mistake)."""
     # ValueError too: the drafter and layer rules (core.drafter, core.layers) refuse by key with it
-    from core import cli as ending
-
-    return ending.run(lambda: main(argv), logging.getLogger("eval.online"), (OnlineError, ValueError))
+    return ending.run(lambda: main(argv), logging.getLogger("eval.online"))
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from core import cli as ending
 from core import options
 from core.config import ConfigError
 from core.options import option
@@ -151,9 +152,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def cli(argv: list[str] | None = None) -> int:
     """The command line: ``main`` ended as core.cli ends every command (one line and exit 2 on a mistake)."""
-    from core import cli as ending
-
-    return ending.run(lambda: main(argv), logging.getLogger("eval.verify_engine"), ())
+    return ending.run(lambda: main(argv), logging.getLogger("eval.verify_engine"))
 
 
 if __name__ == "__main__":

@@ -13,8 +13,8 @@ import signal
 import sys
 from typing import Any
 
+from core import cli as ending
 from core.config import ConfigError
-from core.dataset.format import DatasetError
 from core.dataset.liveness import (
     Heartbeat,
     PeerGone,
@@ -23,9 +23,8 @@ from core.dataset.liveness import (
     heartbeat_interval,
     write_end,
 )
-from core.engines.driver_protocol import EngineError
+from core.errors import Failure, UserError
 from extract.config import ExtractConfig, parse_args, resolve_rank
-from extract.records import BadRecordError
 
 log = logging.getLogger("extract")
 
@@ -79,14 +78,12 @@ def _run(cfg: ExtractConfig) -> tuple[int, str, str]:
         from extract.pipeline import run_extraction  # heavy imports after argument checks
 
         summary = run_extraction(cfg)
-    except (ConfigError, BadRecordError, DatasetError, FileNotFoundError) as e:  # the user's input, by name
+    except (UserError, FileNotFoundError) as e:  # the user's input, by name
         return _said(2, "refused", str(e))
-    except EngineError as e:  # the engine failed (its log's first traceback is in the message), or is missing
-        return _said(1, "failed", str(e))
     except PeerGone as e:  # the trainer stopped beating while this waited for room
         return _said(e.exit_code, "stopped", str(e))
-    except ValueError as e:  # a target or engine setting refused before the engine starts, by key or layer
-        return _said(2, "refused", str(e))
+    except Failure as e:  # the engine failed (its log's first traceback is in the message), or is missing
+        return _said(e.exit_code, "failed", str(e))
     except OSError as e:  # disk full, quota, I/O error: shards written so far are complete and kept
         return _said(1, "failed", f"write failed: {e}; complete shards are kept: free space and rerun the same "
                      "command to resume")
@@ -125,9 +122,7 @@ def _refused_before_start(argv: list[str] | None, reason: str) -> None:
 
 def cli(argv: list[str] | None = None) -> int:
     """The command line: ``main`` ended as core.cli ends every command (one line and exit 2 on a mistake)."""
-    from core import cli as ending
-
-    return ending.run(lambda: main(argv), logging.getLogger("extract"), ())
+    return ending.run(lambda: main(argv), logging.getLogger("extract"))
 
 
 if __name__ == "__main__":

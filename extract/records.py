@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from core.atomic import atomic_open
+from core.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ class Record:
     origin: str  # "path:LINE" (1-based) for JSONL, "path:#ROW" (0-based) otherwise
 
 
-class BadRecordError(ValueError):
+class BadRecordError(UserError):
     """A record that cannot be used; `reason` is one of SKIP_REASONS, `detail` says what was wrong."""
 
     def __init__(self, origin: str, reason: str, detail: str = "") -> None:

@@ -27,6 +27,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from core.errors import Failure
 from extract.backends.base import GenerationConfig, TargetBackend
 from extract.progress import advance
 from extract.timing import span
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 REGEN_BACKENDS = ("hf", "vllm", "server")
 
 
-class RegenError(RuntimeError):
+class RegenError(Failure):
     """An engine returned something that is not a reply to the request (or could not be run)."""
 
 

@@ -19,6 +19,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
+from core import cli as ending
 from core import options
 from core.config import ConfigError
 from core.dataset.format import (
@@ -217,9 +218,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def cli(argv: list[str] | None = None) -> int:
     """The command line: ``main`` ended as core.cli ends every command (one line and exit 2 on a mistake)."""
-    from core import cli as ending
-
-    return ending.run(lambda: main(argv), logging.getLogger("extract.verify"), ())
+    return ending.run(lambda: main(argv), logging.getLogger("extract.verify"))
 
 
 if __name__ == "__main__":

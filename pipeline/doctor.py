@@ -35,19 +35,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script path: make the repo root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from catalog.builtin import resolve_target  # noqa: E402
-from core import options  # noqa: E402
-from core.atomic import atomic_write_text  # noqa: E402
-from core.config import ConfigError  # noqa: E402
-from core.drafter.folder import CheckpointError, load_drafter_checkpoint  # noqa: E402
-from core.options import option  # noqa: E402
-from core.target_weights import text_config  # noqa: E402
-from pipeline.stages import StageError, run_command, run_stage  # noqa: E402
-from serve import doctor_findings as rules  # noqa: E402
-from serve.doctor import FINDINGS, HEALTHY, DoctorOptions, render  # noqa: E402
+from catalog.builtin import resolve_target
+from core import options
+from core.atomic import atomic_write_text
+from core.config import ConfigError
+from core.drafter.folder import CheckpointError, load_drafter_checkpoint
+from core.options import option
+from core.target_weights import text_config
+from pipeline.stages import StageError, run_command, run_stage
+from serve import doctor_findings as rules
+from serve.doctor import FINDINGS, HEALTHY, DoctorOptions, render
 
 log = logging.getLogger("pipeline.doctor")
 PROG = "python -m pipeline.doctor"

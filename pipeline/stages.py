@@ -7,14 +7,17 @@ import subprocess
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
+from core import cli as ending
+from core.errors import Failure
+
 log = logging.getLogger("pipeline")
 
 
-class StageError(RuntimeError):
+class StageError(Failure):
     """A stage's process failed; it has said why on stderr (or in its log, named here)."""
 
     def __init__(self, message: str, code: int) -> None:
-        super().__init__(message)
+        super().__init__(message, code)
         self.code = code
 
 
@@ -42,14 +45,5 @@ def run_stage(cmd: list[str], *, logfile: Path | None = None, ok_codes: Collecti
 
 def run_command(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None, logger: logging.Logger) -> int:
     """A pipeline command's end, as core.cli ends every command (a mistake: one line and exit 2), and a failed
-    stage: its message and that stage's exit code."""
-    from core import cli as ending
-
-    def body() -> int:
-        try:
-            return main(argv)
-        except StageError as e:
-            logger.error("%s", e)
-            return e.code
-
-    return ending.run(body, logger)
+    stage (a ``Failure``): its message and that stage's exit code."""
+    return ending.run(lambda: main(argv), logger)

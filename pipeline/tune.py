@@ -28,20 +28,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script path: make the repo root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from catalog.builtin import resolve_target  # noqa: E402
-from core import options  # noqa: E402
-from core.config import ConfigError  # noqa: E402
-from core.drafter.config import DrafterConfig  # noqa: E402
-from core.drafter.folder import CheckpointError, load_drafter_checkpoint, resolve_drafter_folder  # noqa: E402
-from core.drafter.serving_format import serving_engines  # noqa: E402
-from core.engines.launch import ENGINES, export_engine  # noqa: E402
-from core.options import option  # noqa: E402
-from core.target_weights import text_config  # noqa: E402
-from pipeline.stages import run_command, run_stage  # noqa: E402
-from serve.tune import TuneOptions  # noqa: E402  (its options are passed on, not its code run)
+from catalog.builtin import resolve_target
+from core import options
+from core.config import ConfigError
+from core.drafter.config import DrafterConfig
+from core.drafter.folder import CheckpointError, load_drafter_checkpoint, resolve_drafter_folder
+from core.drafter.serving_format import serving_engines
+from core.engines.launch import ENGINES, export_engine
+from core.options import option
+from core.target_weights import text_config
+from pipeline.stages import run_command, run_stage
+from serve.tune import TuneOptions  # its options are passed on, not its code run
 
 log = logging.getLogger("pipeline.tune")
 PROG = "python -m pipeline.tune"

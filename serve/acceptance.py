@@ -26,6 +26,7 @@ import aiohttp
 
 from core.engines.counters import aggregate
 from core.engines.vllm_driver import COUNTERS, PER_POS
+from core.errors import Failure
 
 SGLANG_SPEC_DEFAULT_MAX_RUNNING = 48  # speculative_hook._handle_eagle_family when --max-running-requests is unset
 CAP_ADVICE = "SGLang's cap for speculative decoding"
@@ -38,7 +39,7 @@ SGLANG_INFO_KEYS = (
 VLLM_PREFIX = "vllm:"
 
 
-class MetricsError(RuntimeError):
+class MetricsError(Failure):
     """``/metrics`` cannot be read or parsed; the message names the URL or the line."""
 
 

@@ -46,6 +46,7 @@ from typing import Any
 
 import aiohttp
 
+from core import cli as ending
 from core import options
 from core.config import ConfigError
 from core.engines.server import ServerError, detect_server, get_json
@@ -359,9 +360,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def cli(argv: list[str] | None = None) -> int:
     """The command line: ``main`` ended as core.cli ends every command (one line and exit 2 on a mistake)."""
-    from core import cli as ending
-
-    return ending.run(lambda: main(argv), logging.getLogger("serve.bench"), (ServingError,))
+    return ending.run(lambda: main(argv), logging.getLogger("serve.bench"))
 
 
 if __name__ == "__main__":

@@ -26,8 +26,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from core.errors import UserError
 
-class ModelError(ValueError):
+
+class ModelError(UserError):
     """Probes that cannot define the model (no base, no speculative probe, a rate of zero); says which."""
 
 

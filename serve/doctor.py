@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from core import cli as ending
 from core import options
 from core.atomic import atomic_write_text
 from core.config import ConfigError
@@ -315,9 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def cli(argv: list[str] | None = None) -> int:
-    from core import cli as ending
-
-    return ending.run(lambda: main(argv), log, (ServingError,))
+    return ending.run(lambda: main(argv), log)
 
 
 if __name__ == "__main__":

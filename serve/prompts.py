@@ -12,8 +12,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from core.errors import UserError
 
-class ServingError(RuntimeError):
+
+class ServingError(UserError):
     """A condition that stops the benchmark (unreachable server, bad options, unusable prompts)."""
 
 

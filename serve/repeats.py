@@ -30,13 +30,14 @@ from typing import Any
 
 from core.engines.driver_protocol import EngineError
 from core.engines.vllm import EngineSettings, VLLMServer
+from core.errors import Failure
 from serve.prompts import ServingError
 
 log = logging.getLogger(__name__)
 BASE = "base"
 
 
-class SweepError(RuntimeError):
+class SweepError(Failure):
     """A server that failed to start or to answer; the message names the repeat and the server."""
 
 

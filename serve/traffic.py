@@ -18,11 +18,12 @@ from typing import Any
 
 from core.answers import AnswersError, build_requests
 from core.dataset.reader import DatasetReader
+from core.errors import UserError
 
 log = logging.getLogger(__name__)
 
 
-class TrafficError(RuntimeError):
+class TrafficError(UserError):
     """The traffic or its offline report cannot be read as asked; the message names the file."""
 
 

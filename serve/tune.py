@@ -47,19 +47,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script path: make the repo root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from catalog.builtin import resolve_target  # noqa: E402
-from core import options  # noqa: E402
-from core.config import ConfigError  # noqa: E402
-from core.engines.driver_protocol import EngineError  # noqa: E402
-from core.engines.launch import ENGINES, engine_interpreter, export_engine  # noqa: E402
-from core.engines.sglang import installed_version  # noqa: E402
-from core.options import option  # noqa: E402
-from serve import cost_model  # noqa: E402
-from serve import doctor_findings as rules  # noqa: E402
-from serve.repeats import (  # noqa: E402
+from catalog.builtin import resolve_target
+from core import cli as ending
+from core import options
+from core.config import ConfigError
+from core.engines.driver_protocol import EngineError
+from core.engines.interpreters import engine_interpreter
+from core.engines.launch import ENGINES, export_engine
+from core.engines.sglang import installed_version
+from core.errors import UserError
+from core.options import option
+from serve import cost_model
+from serve import doctor_findings as rules
+from serve.repeats import (
     BASE,
     Job,
     ServerOptions,
@@ -69,13 +69,13 @@ from serve.repeats import (  # noqa: E402
     run_interleaved,
     run_on_one_start,
 )
-from serve.traffic import Traffic, TrafficError, read_offline, read_traffic  # noqa: E402
-from serve.tune_report import DEFINITIONS, answer, recommendation, setting_name, write_outputs  # noqa: E402
+from serve.traffic import Traffic, TrafficError, read_offline, read_traffic
+from serve.tune_report import DEFINITIONS, answer, recommendation, setting_name, write_outputs
 
 log = logging.getLogger("serve.tune")
 
 
-class TuneError(RuntimeError):
+class TuneError(UserError):
     """A stage that failed or inputs that do not fit together; the message says which."""
 
 
@@ -372,9 +372,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def cli(argv: list[str] | None = None) -> int:
     """The command line: ``main`` ended as core.cli ends every command (one line and exit 2 on a mistake)."""
-    from core import cli as ending
-
-    return ending.run(lambda: main(argv), logging.getLogger("serve.tune"), (TuneError,))
+    return ending.run(lambda: main(argv), logging.getLogger("serve.tune"))
 
 
 if __name__ == "__main__":

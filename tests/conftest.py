@@ -16,8 +16,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = Path(__file__).resolve().parents[1]
 # One converted SmolLM2 for the whole suite (and for later runs on the same checkout).
 os.environ.setdefault("REDRAFT_CACHE", str(ROOT / ".cache" / "redraft"))
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
 # Under pytest-xdist each worker gets its share of the cores for what it starts (engines, training processes,
 # DeepSpeed ranks read OMP_NUM_THREADS): two workers on two cores with two-thread engines each would make
@@ -26,7 +24,7 @@ WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
 if WORKERS > 1:
     os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // WORKERS))
 
-import torch  # noqa: E402
+import torch  # noqa: E402  (after OMP_NUM_THREADS is set: torch reads it once)
 
 torch.set_num_threads(1)
 

@@ -319,7 +319,6 @@ def _main(argv: list[str]) -> int:
     opts, (stage, *args) = argv[:sep], argv[sep + 1:]
     pattern, nth = opts[opts.index("--kill-at") + 1].rsplit(":", 1)
     _install_kill(pattern, int(nth), "--truncate" in opts, "--disk-full" in opts)
-    sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
     if stage == "extract":
         from extract.__main__ import main as extract_main
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from regen_exactness import recording_loader
+
 import extract.pipeline as pipeline
-from benchmarks.regen_exactness import recording_loader
 from core.dataset.reader import DatasetReader
 from extract.config import ExtractConfig
 

@@ -27,7 +27,7 @@ TOPK = 4
 
 def make_target(path: Path) -> tuple[Path, int]:
     """Tiny Llama target folder (config.json, safetensors, tokenizer); returns (path, vocab size)."""
-    from helpers_models import make_tiny_llama
+    from catalog.tiny_models import make_tiny_llama
 
     make_tiny_llama(path, num_layers=NUM_LAYERS)
     vocab = int(json.loads((path / "config.json").read_text())["vocab_size"])

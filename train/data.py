@@ -267,15 +267,9 @@ def resolve_teacher(cfg: Any, reader: Any) -> str:
     return teacher
 
 
-def build_data(cfg: Any, rank: int, world_size: int, accelerator: Any = None, resume: Any = None) -> Any:
-    """The run's data (``cfg``: a TrainConfig): TrainData for the global order over a finished dataset, or
-    ``train.stream.StreamData`` for ``data_order: stream`` (``--stream``: as extraction lands the shards).
-    ``resume``: the ResumePoint, if any (a resumed stream keeps its schedule's length)."""
-    if cfg.data_order == "stream":
-        from train.stream import build_stream
-
-        total = None if resume is None else resume.total_steps
-        return build_stream(cfg, rank, world_size, accelerator, total)
+def build_data(cfg: Any, rank: int, world_size: int) -> TrainData:
+    """The run's data over a finished dataset (``cfg``: a TrainConfig), in the global order; ``data_order:
+    stream`` (``--stream``: as extraction lands the shards) is ``train.stream.build_stream``'s."""
     from core.dataset.reader import DatasetReader
 
     reader = DatasetReader(cfg.data).require_samples()

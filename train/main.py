@@ -10,7 +10,7 @@ comes only from the accelerate config file. Batches are built by train/data.py a
 rank there (never by accelerate.prepare), so resume replays the exact data order, also on another
 world size (the rule: train/data.py and train/checkpoint.py).
 
-The parts, as ``main`` reads: ``build_data`` (train/data.py), ``build_drafter`` (train/drafter_setup.py),
+The parts, as ``main`` reads: ``build_data`` (train/data.py) or ``build_stream`` (train/stream.py), ``build_drafter`` (train/drafter_setup.py),
 ``build_optimizer``, ``Trainer.resume``, then ``Trainer.fit``: ``train_step`` per micro-batch,
 ``evaluate`` and ``save`` on their schedule.
 """
@@ -27,14 +27,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script path: make the repo root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from train.checkpoint import ResumePoint, output_lock, read_trainer_state  # noqa: E402
-from train.config import ConfigError, TrainConfig, parse_cli  # noqa: E402
-from train.data import SamplerState, TrainData  # noqa: E402
+from core import cli as ending
+from train.checkpoint import ResumePoint, output_lock, read_trainer_state
+from train.config import ConfigError, TrainConfig, parse_cli
+from train.data import SamplerState, TrainData
 
 log = logging.getLogger("redraft.train")
 
@@ -426,6 +424,7 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
     from core.drafter.sequence_parallel import sequence_groups
     from train.data import build_data
     from train.drafter_setup import build_drafter, read_lm_head
+    from train.stream import build_stream
     from train.ttt import TTTModel
 
     cfg, point = plan_resume(cfg)
@@ -436,7 +435,11 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
     set_seed(cfg.seed)
 
     dp_world = data_world(cfg, accelerator.num_processes)
-    data = build_data(cfg, accelerator.process_index // cfg.sequence_parallel, dp_world, accelerator, point)
+    dp_rank = accelerator.process_index // cfg.sequence_parallel
+    if cfg.data_order == "stream":  # a resumed stream keeps its schedule's length
+        data = build_stream(cfg, dp_rank, dp_world, accelerator, None if point is None else point.total_steps)
+    else:
+        data = build_data(cfg, dp_rank, dp_world)
     built = build_drafter(cfg, data.reader, None if point is None else point.folder)
     # this rank's group (None without one); TTTModel refuses kv heads it does not divide
     sp = sequence_groups(accelerator.num_processes, cfg.sequence_parallel, accelerator.process_index)
@@ -460,9 +463,7 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
 def cli(argv: list[str] | None = None) -> int:
     """The command line: ``main`` ended as core.cli ends every command (one line and exit 2 on a mistake)."""
     # a bad option, dataset or checkpoint (a second trainer on OUT included): one line, exit 2
-    from core import cli as ending
-
-    return ending.run(lambda: main(argv), logging.getLogger("train"), ())
+    return ending.run(lambda: main(argv), logging.getLogger("train"))
 
 
 if __name__ == "__main__":

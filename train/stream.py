@@ -44,7 +44,7 @@ from core.dataset.window import (
     read_window,
     window_fit_problem,
 )
-from train.data import SamplerState, length_bucketed_batches
+from train.data import SamplerState, length_bucketed_batches, resolve_teacher, stored_loader
 
 log = logging.getLogger(__name__)
 
@@ -279,8 +279,6 @@ class StreamSource:
                 del self._groups[k]
 
     def loader(self, batches: list[list[int]]) -> Any:
-        from train.data import stored_loader
-
         return stored_loader(WindowDataset(dict(self._groups), self.group_shards), batches, self.cfg.num_workers,
                              self.cfg.max_length)
 
@@ -390,8 +388,6 @@ def build_stream(cfg: Any, rank: int, world_size: int, accelerator: Any = None,
                  resumed_total_steps: int | None = None) -> StreamData:
     """The stream of ``cfg.data``. A new run waits (with --stream) for group 0, whose tokens make the draft
     vocabulary and, with max_steps 0, the schedule's length; a resumed run takes both from its checkpoint."""
-    from train.data import resolve_teacher
-
     source = StreamSource(Path(cfg.data), cfg, rank, world_size, accelerator, wait=bool(cfg.stream))
     if resumed_total_steps is not None:
         reader: Any = HeaderOnly(source.header)

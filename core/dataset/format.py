@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from core.errors import UserError
 from core.layers import AUX_LAYER_CONVENTION
 
 FORMAT_VERSION = 1
@@ -34,7 +35,7 @@ _LOGPROB_FLOOR = torch.finfo(torch.float32).min  # stored in place of -inf (exp(
 _HASH_CHUNK = 8 << 20
 
 
-class DatasetError(Exception):
+class DatasetError(UserError):
     """A dataset folder is missing, corrupt or inconsistent; the message names the file (and key)."""
 
 

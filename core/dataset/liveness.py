@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from core.atomic import atomic_write_text
+from core.errors import Failure
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ END_STATES = ("finished", "refused", "failed", "stopped")
 DEFAULT_PEER_TIMEOUT_S = 900.0  # far above a poll (seconds) and a restart on the same allocation (a minute or two)
 
 
-class PeerGone(Exception):
+class PeerGone(Failure):
     """The other side of the stream is gone: ``exit_code`` is what this side should end with (2: the user's
     input was refused on the other side; 1: it failed, was stopped or stopped beating)."""
 

@@ -28,6 +28,7 @@ from core.drafter.serving_format import (
     serving_config,
     serving_engines,
 )
+from core.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ STEP_RE = re.compile(r"^step-(\d{7,})$")
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A drafter or run folder that is missing, incomplete, or does not fit the data."""
 
 

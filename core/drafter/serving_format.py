@@ -37,6 +37,7 @@ import torch
 
 from core.drafter.config import MLA_FIELDS, DrafterConfig
 from core.drafter.vocab import check_vocab_mapping
+from core.errors import UserError
 from core.layers import (
     ENGINES,
     default_aux_layer_ids,
@@ -76,7 +77,7 @@ MASK_HIDDEN_KEY = "mask_hidden"  # vLLM loads any tensor whose name contains it,
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class ServingFormatError(ValueError):
+class ServingFormatError(UserError):
     """A serving checkpoint (config.json or weights) that the engines would misload or reject."""
 
 

@@ -34,12 +34,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+from core.errors import Failure
+
 log = logging.getLogger(__name__)
 
 Progress = Callable[[int, int], None]
 
 
-class EngineError(RuntimeError):
+class EngineError(Failure):
     """The engine cannot be run as asked (missing venv, failed or stopped engine); the message says what to do."""
 
 

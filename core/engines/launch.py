@@ -12,6 +12,8 @@ import shlex
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from core.errors import UserError
+
 log = logging.getLogger(__name__)
 
 CAP_NOTE = ("# --max-running-requests and --cuda-graph-max-bs are explicit on purpose: without them SGLang "
@@ -19,7 +21,7 @@ CAP_NOTE = ("# --max-running-requests and --cuda-graph-max-bs are explicit on pu
 
 
 
-class LaunchError(ValueError):
+class LaunchError(UserError):
     """Serving flags an engine would refuse or silently change; the message names the flag."""
 
 
@@ -125,19 +127,6 @@ def launch_command(fmt: str, target: str, draft: str, plan: LaunchPlan) -> str:
 
 
 ENGINES = ("sglang", "vllm")
-
-
-def engine_interpreter(engine: str, python: str | None) -> tuple[str, str]:
-    """(interpreter, where it came from) that runs ``engine`` (``python``, else this one if it has the engine, else
-    its CPU venv); the runners' EngineError, naming the make target, when there is none."""
-    if engine == "sglang":
-        from core.engines.sglang import engine_runtime
-
-        runtime = engine_runtime(python)
-        return runtime.python, runtime.source
-    from core.engines.vllm import engine_python
-
-    return engine_python(python)
 
 
 def export_engine(folder: Path) -> str | None:

@@ -31,6 +31,7 @@ from typing import Any
 import aiohttp
 
 from core.engines.request import TokenRequest, sglang_sampling_params
+from core.errors import Failure
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ RETRYABLE_STATUS = {429, 500, 502, 503, 504}
 APIS = ("auto", "sglang", "vllm")
 
 
-class ServerError(RuntimeError):
+class ServerError(Failure):
     """The server cannot be used as asked (unreachable, refused a request, answered out of contract)."""
 
 

@@ -51,10 +51,10 @@ def read_counters(llm: Any, steps: int) -> dict[str, Any]:
     return out
 
 
-PLUGINS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_plugins")
 CAPTURE_KEYS = ("speculative_config", "kv_transfer_config")
 STOCK_CONNECTOR = "ExampleHiddenStatesConnector"
-OWN_CONNECTOR = ("RedraftCaptureConnector", "redraft_capture_connector")  # class, module under PLUGINS
+# class, module: imported by vLLM in its engine and worker processes, which inherit the repository on PYTHONPATH
+OWN_CONNECTOR = ("RedraftCaptureConnector", "core.engines.vllm_plugins.redraft_capture_connector")
 
 
 def capture_kwargs(engine_layer_ids: list[int], storage: str, connector: str, on_cpu: bool) -> dict[str, Any]:
@@ -69,11 +69,6 @@ def capture_kwargs(engine_layer_ids: list[int], storage: str, connector: str, on
     transfer: dict[str, Any] = {"kv_connector": STOCK_CONNECTOR, "kv_role": "kv_producer",
                                 "kv_connector_extra_config": {"shared_storage_path": storage}}
     if own:
-        if PLUGINS not in sys.path:
-            sys.path.insert(0, PLUGINS)
-        paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-        if PLUGINS not in paths:  # the engine core and the workers import the connector too
-            os.environ["PYTHONPATH"] = os.pathsep.join([PLUGINS, *paths])
         transfer.update(kv_connector=OWN_CONNECTOR[0], kv_connector_module_path=OWN_CONNECTOR[1])
     return {
         "speculative_config": {"method": "extract_hidden_states", "num_speculative_tokens": 1,

@@ -29,9 +29,9 @@ from helpers_faults import (
     write_corpus,
     write_malformed_corpus,
 )
-from helpers_models import make_tiny_llama
 
 import core.atomic as atomic
+from catalog.tiny_models import make_tiny_llama
 from core.dataset.format import MANIFEST_NAME, read_shard_header
 from core.dataset.reader import DatasetReader
 from core.dataset.shard_record import RECORD_SUFFIX

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 from helpers_faults import flip_byte, kill_when, poke, run, self_kill_cmd, start, tensor_span, train_cmd
-from helpers_models import make_tiny_llama
 from helpers_train import base_args, make_dataset, make_target, run_main
 from safetensors.torch import load_file
 
 import core.atomic as atomic
+from catalog.tiny_models import make_tiny_llama
 from core.dataset.format import DatasetError
 from core.dataset.reader import DatasetReader
 from core.drafter.folder import CheckpointError

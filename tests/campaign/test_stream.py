@@ -22,11 +22,11 @@ from pathlib import Path
 
 import pytest
 from helpers_faults import extract_args, extract_cmd, flip_byte, start, train_cmd, write_corpus
-from helpers_models import make_tiny_llama
 from helpers_paths import ROOT
 from helpers_train import base_args
 from safetensors.torch import load_file
 
+from catalog.tiny_models import make_tiny_llama
 from core.dataset.format import DatasetError, shard_relpath
 from core.dataset.window import folder_bytes, seal_path
 from extract.config import parse_args

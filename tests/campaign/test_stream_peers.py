@@ -26,9 +26,9 @@ from pathlib import Path
 
 import pytest
 from helpers_faults import disk_full_cmd, extract_args, extract_cmd, start, train_cmd, write_corpus
-from helpers_models import make_tiny_llama
 from helpers_train import base_args
 
+from catalog.tiny_models import make_tiny_llama
 from core.dataset.liveness import END_DIR, HEARTBEAT_DIR, heartbeat_interval, read_ends
 from core.dataset.window import SEAL_SUFFIX
 

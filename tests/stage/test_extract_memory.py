@@ -10,9 +10,8 @@ budget, where this code peaks at 829 and 868 MiB (`benchmarks/extract_memory.py 
 
 from __future__ import annotations
 
+from extract_memory import measure
 from helpers_paths import ROOT
-
-from benchmarks.extract_memory import measure
 
 
 def test_peak_rss_stays_within_two_batches_of_features_whatever_the_shard_size(tmp_path):

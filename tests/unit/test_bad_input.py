@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 from helpers_drafter import tiny_drafter
-from helpers_models import make_tiny_llama
 from helpers_store import make_dataset
 
+from catalog.tiny_models import make_tiny_llama
 from core.drafter.folder import write_drafter_folder
 
 MODULES = {"extract": "extract.__main__", "train": "train.main", "acceptance": "eval.acceptance",

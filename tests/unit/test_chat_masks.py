@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from helpers_tokenizers import CHAT_KINDS, build_chat_tokenizer
 from transformers import AutoTokenizer
 
+from catalog.tiny_tokenizers import CHAT_KINDS, build_chat_tokenizer
 from extract.chat import (
     _tokenize_by_segments,
     assistant_char_spans,

@@ -8,9 +8,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers_models import make_tiny_llama
 
 from catalog.builtin import mtbench_records, resolve_data
+from catalog.tiny_models import make_tiny_llama
 from core.config import ConfigError
 from core.dataset.format import MANIFEST_NAME
 from core.dataset.reader import DatasetReader

@@ -4,17 +4,13 @@ not an hour into the benchmark)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
+import drafter_kinds as dk
 import pytest
 from helpers_paths import ROOT
 
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import drafter_kinds as dk  # noqa: E402
-
-from train.config import parse_cli  # noqa: E402
+from train.config import parse_cli
 
 CFG = dk.KindsConfig.load(dk.DEFAULT_CONFIG, {})
 METHODS_CFG = dk.KindsConfig.load(ROOT / "configs/demo/drafter_methods.yaml", {})

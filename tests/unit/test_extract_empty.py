@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 from helpers_faults import extract_args
-from helpers_models import make_tiny_llama
 
+from catalog.tiny_models import make_tiny_llama
 from extract.__main__ import main as extract_main
 
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_models import make_tiny_llama
 from helpers_paths import ROOT
 
+from catalog.tiny_models import make_tiny_llama
 from core.batching import pack_batches
 from core.config import ConfigError
 from core.dataset.format import MANIFEST_NAME

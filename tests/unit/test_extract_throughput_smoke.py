@@ -7,9 +7,9 @@ import json
 import logging
 
 import pytest
-from helpers_models import make_tiny_llama
 
 from benchmarks import extract_throughput
+from catalog.tiny_models import make_tiny_llama
 
 
 def test_json_is_consistent(tmp_path, capsys):

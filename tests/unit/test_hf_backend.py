@@ -7,9 +7,9 @@ import json
 
 import pytest
 import torch
-from helpers_models import make_tiny_deepseek_v3, make_tiny_llama, make_wrapped_model
 from safetensors import safe_open
 
+from catalog.tiny_models import make_tiny_deepseek_v3, make_tiny_llama, make_wrapped_model
 from core import layers
 from extract.backends.base import GenerationConfig, TeacherSpec
 from extract.backends.hf import HFTarget, resolve_weight_keys, weight_file_keys

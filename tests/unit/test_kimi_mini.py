@@ -100,6 +100,6 @@ def test_chat_template_renders_kimi_k25_thinking_turns(tokenizer):
 
 
 def test_test_helper_template_is_the_products():
-    from helpers_tokenizers import KIMI_K25_TEMPLATE
+    from catalog.tiny_tokenizers import KIMI_K25_TEMPLATE
 
     assert KIMI_K25_TEMPLATE is km.CHAT_TEMPLATE

@@ -1,7 +1,6 @@
 """The stages meet only in core's and catalog's code and in files (design.md): core imports no stage, no stage
 imports another, and no stage launches another as a process (``python -m STAGE``, ``runpy``, ``train/main.py``);
-``pipeline`` is the one place that runs stages one after another. Old module paths that forward to a new one are
-named here, each with where it forwards to."""
+``pipeline`` is the one place that runs stages one after another."""
 
 from __future__ import annotations
 
@@ -18,7 +17,6 @@ ALLOWED = {"core": {"core"}, "catalog": {"core", "catalog"},
            **{stage: {"core", "catalog", stage} for stage in STAGES},
            "pipeline": {"core", "catalog", "pipeline", "serve"}}  # pipeline reads serve.tune's option list
 LAUNCHES = {package: {package, *LIBRARIES} for package in PACKAGES} | {"pipeline": set(PACKAGES)}
-FORWARDS = {"eval/serving.py": "serve.bench", "eval/tune.py": "pipeline.tune"}  # moved; the old path forwards
 
 
 def _imported_packages(tree: ast.AST) -> set[str]:
@@ -62,7 +60,7 @@ def test_no_stage_launches_another(package):
     wrong = {}
     for p in _files(package):
         rel = str(p.relative_to(ROOT))
-        launched = launched_modules(ast.parse(p.read_text())) - {FORWARDS.get(rel)}
+        launched = launched_modules(ast.parse(p.read_text()))
         others = sorted(m for m in launched if m.split(".")[0] in PACKAGES
                         and m.split(".")[0] not in LAUNCHES[package])
         if others:
@@ -79,8 +77,3 @@ def test_the_launch_finder_sees_every_way_of_launching():
                      "print('python -m extract is what you run')\n")
     assert launched_modules(tree) == {"extract", "eval.acceptance", "serve.bench", "train.main"}
 
-
-def test_forwarded_paths_still_exist_and_forward_where_they_say():
-    for rel, target in FORWARDS.items():
-        assert launched_modules(ast.parse((ROOT / rel).read_text())) == {target}
-        assert (ROOT / (target.replace(".", "/") + ".py")).is_file()

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers_models import (
+from transformers import AutoModelForCausalLM, CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration
+
+from catalog.tiny_models import (
     TinyVLMConfig,
     TinyVLMForConditionalGeneration,
     tiny_deepseek_v3_config,
     tiny_llama_config,
 )
-from transformers import AutoModelForCausalLM, CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration
-
 from core import layers
 from core.target_weights import text_config, weight_key_candidates
 from extract import model_layout

@@ -6,11 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from helpers_paths import ROOT
-
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import pip_cpu_args  # noqa: E402
+import pip_cpu_args
 
 
 def test_the_index_is_added_only_when_the_configured_ones_lack_the_build():

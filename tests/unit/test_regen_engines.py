@@ -14,12 +14,12 @@ import time
 
 import pytest
 from aiohttp import web
-from helpers_models import make_tiny_llama
 from helpers_regen import assert_stored_as_generated, extract_cfg, stored_samples
+from regen_exactness import recording_regenerators
 from transformers import AutoTokenizer
 
 import extract.pipeline as pipeline
-from benchmarks.regen_exactness import recording_regenerators
+from catalog.tiny_models import make_tiny_llama
 from core.config import ConfigError
 from core.engines.request import TokenRequest
 from core.engines.server import ServerError, ServerSettings, TokenServer, sglang_request

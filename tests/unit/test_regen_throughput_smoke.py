@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import json
 
-from helpers_models import make_tiny_llama
-
 from benchmarks import regen_throughput
+from catalog.tiny_models import make_tiny_llama
 
 
 def test_table_and_json(tmp_path, capsys):

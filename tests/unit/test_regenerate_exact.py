@@ -16,12 +16,12 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers_models import make_tiny_llama
 from helpers_regen import assert_stored_as_generated, extract_cfg, recording_backend, stored_samples
-from helpers_tokenizers import THINKING_KINDS
 from transformers import AutoTokenizer
 
 import extract.pipeline as pipeline
+from catalog.tiny_models import make_tiny_llama
+from catalog.tiny_tokenizers import THINKING_KINDS
 from core.dataset.reader import DatasetReader
 from extract.backends.hf import HFTarget
 from extract.chat import encode_prompt, stop_token_ids
@@ -214,7 +214,7 @@ def _sample(tok, output: list[int], finish: str = "stop"):
 
 
 def test_check_flags_every_way_of_not_storing_the_generated_ids():
-    from helpers_tokenizers import build_chat_tokenizer
+    from catalog.tiny_tokenizers import build_chat_tokenizer
 
     tok = build_chat_tokenizer("chatml")
     eot = tok.convert_tokens_to_ids("<|im_end|>")
@@ -251,7 +251,7 @@ def test_split_reasoning_conventions():
     assert split_reasoning("still thinking", markers, opened=True) == ("", "still thinking")  # cut inside
     assert split_reasoning("no reasoning", markers, opened=False) == ("no reasoning", None)
     assert split_reasoning("<think>r</think>c", None, opened=False) == ("<think>r</think>c", None)
-    from helpers_tokenizers import build_chat_tokenizer
+    from catalog.tiny_tokenizers import build_chat_tokenizer
 
     assert think_markers(build_chat_tokenizer("chatml")) is None
     assert all(think_markers(build_chat_tokenizer(k)) == markers for k in THINKING_KINDS)

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
+import retrain_gain as rg
 from helpers_paths import ROOT
-
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import retrain_gain as rg  # noqa: E402
 
 
 @pytest.mark.parametrize("name", ["retrain_gain.yaml", "retrain_budget.yaml"])

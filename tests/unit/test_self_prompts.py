@@ -7,9 +7,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers_models import make_tiny_llama
-from helpers_tokenizers import CHAT_KINDS, THINKING_KINDS, build_chat_tokenizer
 
+from catalog.tiny_models import make_tiny_llama
+from catalog.tiny_tokenizers import CHAT_KINDS, THINKING_KINDS, build_chat_tokenizer
 from core.config import ConfigError
 from core.engines.request import sglang_sampling_params
 from extract.backends.base import GenerationConfig

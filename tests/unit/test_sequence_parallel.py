@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import socket
-import sys
 from pathlib import Path
 
 import pytest
@@ -88,7 +87,6 @@ def _case(name: str, sp) -> dict:
 def _worker(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
-    sys.path.insert(0, str(HERE.parent))  # the tests' helpers, as conftest puts them
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     from core.drafter.sequence_parallel import sequence_groups

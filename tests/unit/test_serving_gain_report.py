@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import asdict
 
 import pytest
+from serving_gain_report import detail_rows, headline_rows, markdown, summarize
 
-from benchmarks.serving_gain_report import detail_rows, headline_rows, markdown, summarize
 from serve.acceptance import SpecDelta
 from serve.report import RequestResult, apply_counter_delta
 from serve.report import summarize as level_stats

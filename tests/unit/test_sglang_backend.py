@@ -263,7 +263,7 @@ def test_no_sglang_anywhere_names_the_make_target(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
-    from helpers_models import make_tiny_deepseek_v3, make_tiny_llama, make_wrapped_model
+    from catalog.tiny_models import make_tiny_deepseek_v3, make_tiny_llama, make_wrapped_model
 
     root = tmp_path_factory.mktemp("sglang-targets")
     return {

@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers_models import make_tiny_llama
 
 import extract.pipeline as pipeline
+from catalog.tiny_models import make_tiny_llama
 from core.config import ConfigError
 from core.dataset.format import bytes_per_token, read_shard_header, shard_relpath
 from core.dataset.reader import DatasetReader

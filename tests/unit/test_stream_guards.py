@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 from helpers_faults import child_env, extract_args, write_corpus
-from helpers_models import make_tiny_llama
 from helpers_paths import ROOT
 from helpers_store import make_header, make_sample
 from helpers_train import base_args, run_main
 
+from catalog.tiny_models import make_tiny_llama
 from core.config import ConfigError
 from core.dataset.format import DatasetError
 from core.dataset.window import HEADER_NAME, PLAN_NAME, consume, window_fit_problem, write_seal, write_window

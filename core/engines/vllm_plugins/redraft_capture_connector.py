@@ -1,7 +1,8 @@
 """vLLM's hidden-state extraction connector, writing synchronously so that it runs on a CPU.
 
 Loaded by vLLM in its engine and worker processes through ``kv_transfer_config.kv_connector_module_path``
-(``core.engines.vllm_driver`` puts this folder on their ``PYTHONPATH``); it imports vLLM, torch and
+(as ``core.engines.vllm_plugins.redraft_capture_connector``: the driver's processes have the repository on
+``PYTHONPATH``); it imports vLLM, torch and
 safetensors only, since it runs under the engine's interpreter.
 
 Why it exists: vLLM 0.32's ``ExampleHiddenStatesConnector``

@@ -29,9 +29,10 @@ def test_engine_kwargs_are_real_server_args_fields():
 
 @pytest.mark.sglang
 def test_engine_kwargs_pass_sglangs_own_aux_capture_validation(tmp_path):
-    from helpers_models import make_tiny_llama
     from sglang.srt.arg_groups.validation_hook import handle_aux_hidden_state_capture
     from sglang.srt.server_args import ServerArgs
+
+    from catalog.tiny_models import make_tiny_llama
 
     path = make_tiny_llama(tmp_path / "llama", num_layers=8)
     ids = layers.to_engine_layer_ids([1, 3, 4], "sglang", "LlamaForCausalLM")

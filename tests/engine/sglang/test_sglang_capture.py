@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from capture_speed import _row_rel, compare_captures
 from helpers_embedded import kimi_mini_dir, sglang_venv_python, smollm2_dir
+from sglang_capture import capture_every_layer, sequences
 
-from benchmarks.capture_speed import _row_rel, compare_captures
-from benchmarks.sglang_capture import capture_every_layer, sequences
 from core import layers
 from core.dataset.reader import DatasetReader
 from core.engines.driver_protocol import EngineError
@@ -43,7 +43,7 @@ TEACHER = TeacherSpec(kinds=("topk",), topk=8)
 
 
 def _served_deepseek(root: Path, **kw) -> Path:
-    from helpers_models import make_served_deepseek_v3
+    from catalog.tiny_models import make_served_deepseek_v3
 
     return make_served_deepseek_v3(root, **kw)
 

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from capture_speed import _row_rel
 from helpers_embedded import kimi_mini_dir, sglang_venv_python
 from helpers_paths import ROOT
 
-from benchmarks.capture_speed import _row_rel
 from catalog import kimi_mini as km
 from core.dataset.reader import DatasetReader
 from extract.config import ExtractConfig

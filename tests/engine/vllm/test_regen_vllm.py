@@ -21,10 +21,10 @@ from helpers_embedded import smollm2_dir
 from helpers_embedded import vllm_venv_python as venv_python
 from helpers_paths import ROOT
 from helpers_regen import assert_stored_as_generated, extract_cfg, stored_samples
+from regen_exactness import recording_regenerators
 from transformers import AutoTokenizer
 
 import extract.pipeline as pipeline
-from benchmarks.regen_exactness import recording_regenerators
 from core.engines.vllm import EngineSettings, VLLMServer
 from extract.chat import stop_token_ids
 from extract.records import read_records

@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 import yaml
 from helpers_embedded import vllm_venv_python
-from helpers_models import make_tiny_llama
 from helpers_paths import ROOT
+
+from catalog.tiny_models import make_tiny_llama
 
 SCRIPT = ROOT / "benchmarks" / "retrain_gain.py"
 

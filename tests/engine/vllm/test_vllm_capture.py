@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from capture_speed import _row_rel, compare_captures
 from helpers_embedded import capture_sequences, kimi_mini_dir, smollm2_dir
 from helpers_embedded import vllm_venv_python as venv_python
 
-from benchmarks.capture_speed import _row_rel, compare_captures
 from core.dataset.reader import DatasetReader
 from extract.backends.base import TeacherSpec
 from extract.backends.hf import HFTarget

@@ -9,7 +9,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from helpers_tokenizers import build_chat_tokenizer
 from torch import nn
 from transformers import (
     AutoConfig,
@@ -21,6 +20,8 @@ from transformers import (
     PreTrainedModel,
 )
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+from catalog.tiny_tokenizers import build_chat_tokenizer
 
 WRAPPER_MODEL_TYPE = "redraft_tiny_vlm"
 

@@ -1,0 +1,142 @@
+"""The house's rules that a newcomer relies on, held over the whole tree: no import circles (a function-level
+import included: one inside a function hides a circle, it does not remove it), and no ``sys.path`` edits (redraft
+is imported as installed; scripts import their siblings from their own folder, tests through pytest's
+``pythonpath``)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from helpers_paths import ROOT
+from test_repository_paths import tracked_files
+
+PACKAGES = ("core", "catalog", "extract", "train", "eval", "serve", "pipeline", "conformance", "redraft")
+SCRIPT_FOLDERS = ("benchmarks", "scripts")
+
+
+def module_files(root: Path) -> dict[str, Path]:
+    """Module name -> file: the packages' modules by dotted name, the script folders' files as ``folder:stem``."""
+    mods: dict[str, Path] = {}
+    for pkg in PACKAGES:
+        for p in sorted((root / pkg).rglob("*.py")):
+            parts = list(p.relative_to(root).with_suffix("").parts)
+            mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+    for folder in SCRIPT_FOLDERS:
+        for p in sorted((root / folder).glob("*.py")):
+            mods[f"{folder}:{p.stem}"] = p
+    return mods
+
+
+def import_graph(mods: dict[str, Path]) -> dict[str, set[str]]:
+    """Each module's first-party imports, at any depth of its code (module level or inside a function)."""
+
+    def resolve(name: str, folder: str | None) -> str | None:
+        if folder and f"{folder}:{name.split('.')[0]}" in mods:  # a script's sibling
+            return f"{folder}:{name.split('.')[0]}"
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for mod, path in mods.items():
+        folder = mod.split(":")[0] if ":" in mod else None
+        names: list[str] = []
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names += [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names += [f"{node.module}.{a.name}" for a in node.names]
+        found = {r for r in (resolve(n, folder) for n in names) if r}
+        graph[mod] = {d for d in found if d != mod and not mod.startswith(d + ".")}  # a package's own __init__
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                group = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    group.append(member)
+                    if member == node:
+                        break
+                if len(group) > 1:
+                    found.append(sorted(group))
+    return found
+
+
+def test_no_import_circles():
+    assert circles(import_graph(module_files(ROOT))) == []
+
+
+def test_a_circle_hidden_inside_a_function_is_found(tmp_path):
+    (tmp_path / "core").mkdir()
+    (tmp_path / "core" / "a.py").write_text("from core.b import g\n")
+    (tmp_path / "core" / "b.py").write_text("def g():\n    from core import a\n    return a\n")
+    (tmp_path / "core" / "c.py").write_text("import core.a\n")
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "x.py").write_text("def f():\n    import y\n")
+    (tmp_path / "benchmarks" / "y.py").write_text("from x import f\n")
+    assert circles(import_graph(module_files(tmp_path))) == [["core.a", "core.b"], ["benchmarks:x", "benchmarks:y"]]
+
+
+def _is_sys_path(node: ast.AST) -> bool:
+    if isinstance(node, ast.Subscript):
+        node = node.value
+    return (isinstance(node, ast.Attribute) and node.attr == "path" and isinstance(node.value, ast.Name)
+            and node.value.id == "sys")
+
+
+def sys_path_edits(source: str) -> list[int]:
+    """Lines that change ``sys.path``: its insert/append/extend, or an assignment to it or a slice of it."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("insert", "append", "extend") and _is_sys_path(node.func.value)):
+            lines.append(node.lineno)
+        elif isinstance(node, (ast.Assign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            lines += [node.lineno for target in targets if _is_sys_path(target)]
+    return lines
+
+
+def test_no_file_edits_sys_path():
+    edits = [f"{name}:{n}" for name in tracked_files() if name.endswith(".py")
+             for n in sys_path_edits((ROOT / name).read_text())]
+    assert not edits, edits
+
+
+def test_the_sys_path_guard_catches_each_form():
+    for line in ("sys.path.insert(0, ROOT)", "sys.path.append('x')", "sys.path[:0] = [a]", "sys.path += [a]",
+                 "sys.path = [a]"):
+        assert sys_path_edits(line) == [1], line
+    assert sys_path_edits("print(sys.path)\nx = 'sys.path.insert(0, y)'") == []
