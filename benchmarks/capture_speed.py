@@ -4,7 +4,7 @@
     python benchmarks/capture_speed.py --targets kimi-k25-mini --samples 32 --repeats 5
 
 Per target (default both embedded ones), the same batches (MT-bench and chitchat prompts rendered with the
-target's template, packed by ``core.batching.pack_batches`` at ``--batch-tokens``) go through:
+target's template, packed by ``redraft.core.batching.pack_batches`` at ``--batch-tokens``) go through:
 
 - bare: the decoder stack alone (``benchmarks.extract_throughput.Bare``: no hooks, no lm_head);
 - hf: ``HFTarget.capture`` (hooks on the aux layers, the top-k teacher in chunks);
@@ -45,6 +45,8 @@ from typing import Any
 
 from reporting import publish
 
+from redraft.core import cli as ending
+
 log = logging.getLogger("bench.capture_speed")
 
 KIMI_HIDDEN = 7168
@@ -69,7 +71,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def prompts(tokenizer: Any, n: int) -> list[list[int]]:
     """n rendered user prompts: MT-bench first turns, then chitchat openings."""
-    from catalog.builtin import chitchat_records, mtbench_records
+    from redraft.catalog.builtin import chitchat_records, mtbench_records
 
     texts = [r["turns"][0] for r in mtbench_records()]
     for rec in chitchat_records():
@@ -130,10 +132,10 @@ def measure_target(name: str, args: argparse.Namespace) -> dict[str, Any]:
     """Interleaved repeats of bare / hf / vllm on one target's batches."""
     from extract_throughput import Bare
 
-    from catalog.builtin import resolve_target
-    from core.batching import pack_batches
     from extract.backends.base import TeacherSpec
     from extract.backends.vllm import VLLMTarget
+    from redraft.catalog.builtin import resolve_target
+    from redraft.core.batching import pack_batches
 
     bare = Bare(name, "float32")
     hf = bare.hf
@@ -276,4 +278,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(ending.run(main, logging.getLogger("benchmarks.capture_speed")))

@@ -45,6 +45,8 @@ from typing import Any
 
 from reporting import publish
 
+from redraft.core import cli as ending
+
 ROOT = Path(__file__).resolve().parents[1]
 log = logging.getLogger("bench.doctor_live")
 TARGET = "smollm2-135m-instruct"
@@ -148,7 +150,7 @@ def servers(engine: str, targets: dict[str, Path], drafters: dict[str, Path]) ->
     """Each speculative server's settings (started one at a time) and the bases' ("base" for SmolLM2, "base-kimi")."""
     target = targets[TARGET]
     if engine == "vllm":
-        from core.engines.vllm import EngineSettings
+        from redraft.engines.vllm import EngineSettings
 
         def spec(drafter: str, steps: int, length: int = CONTEXT) -> EngineSettings:
             return EngineSettings(target=str(target), drafter=str(drafters[drafter]), steps=steps,
@@ -173,10 +175,10 @@ def servers(engine: str, targets: dict[str, Path], drafters: dict[str, Path]) ->
 
 def start(engine: str, settings: Any) -> AbstractContextManager:
     if engine == "vllm":
-        from core.engines.vllm import VLLMServer
+        from redraft.engines.vllm import VLLMServer
 
         return VLLMServer(settings, stats=True)
-    from core.engines.sglang import SGLangServer
+    from redraft.engines.sglang import SGLangServer
 
     return SGLangServer(settings)
 
@@ -279,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--engines {args.engines}: expected vllm and/or sglang")
     if args.prompts < 1 or args.max_tokens < 1:
         ap.error(f"--prompts {args.prompts} --max-tokens {args.max_tokens}: both must be at least 1")
-    from catalog.builtin import resolve_target
+    from redraft.catalog.builtin import resolve_target
 
     work = Path(args.work or tempfile.mkdtemp(prefix="doctor-live-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -307,4 +309,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(ending.run(main, logging.getLogger("benchmarks.doctor_live")))

@@ -56,7 +56,8 @@ from retrain_gain import (
     train_done,
 )
 
-from core.atomic import atomic_write_text
+from redraft.core import cli as ending
+from redraft.core.atomic import atomic_write_text
 
 ROOT = Path(__file__).resolve().parents[1]
 log = logging.getLogger("bench.drafter_kinds")
@@ -145,8 +146,8 @@ def target_slug(spec: TargetSpec) -> str:
 def variants(cfg: KindsConfig, spec: TargetSpec | None = None) -> list[tuple[str, str, str]]:
     """(name, attention, method) of every drafter trained on ``spec`` (on a target training every kind when None):
     "gqa", "mla", "gqa-eagle3.1", ...; p-eagle with the attention kinds that vLLM drafts in parallel only
-    (core.drafter.config.PARALLEL_ATTENTION), dflash Llama-style only (vLLM's DFlashDraftModel is a Qwen3 stack)."""
-    from core.drafter.config import PARALLEL_ATTENTION
+    (redraft.core.drafter.config.PARALLEL_ATTENTION), dflash Llama-style only (vLLM's DFlashDraftModel is a Qwen3 stack)."""
+    from redraft.core.drafter.config import PARALLEL_ATTENTION
 
     allowed = {"p-eagle": PARALLEL_ATTENTION, "dflash": ("gqa",)}
     kinds = spec.kinds if spec is not None else KINDS
@@ -192,7 +193,7 @@ def drafter_facts(run: Path) -> dict[str, Any]:
     """Trainable parameters and draft KV bytes per token of a run's checkpoint; seconds per step from its log."""
     from safetensors import safe_open
 
-    from core.drafter.config import DrafterConfig
+    from redraft.core.drafter.config import DrafterConfig
 
     ckpt = latest_checkpoint(run)
     if ckpt is None:
@@ -411,8 +412,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except BenchError as e:
-        logging.getLogger("bench.drafter_kinds").error("%s", e)
-        sys.exit(1)
+    sys.exit(ending.run(main, logging.getLogger("benchmarks.drafter_kinds")))

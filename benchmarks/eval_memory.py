@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import resource
 import sys
 import time
 
 from reporting import child_case, publish
+
+from redraft.core import cli as ending
 
 HEADS, TOPK, STEPS, DRAFT_TOKENS = 64, 2, 3, 6
 
@@ -27,8 +30,8 @@ HEADS, TOPK, STEPS, DRAFT_TOKENS = 64, 2, 3, 6
 def _drafter(hidden: int):
     import torch
 
-    from core.drafter.config import DrafterConfig
-    from core.drafter.modeling import Eagle3Drafter
+    from redraft.core.drafter.config import DrafterConfig
+    from redraft.core.drafter.modeling import Eagle3Drafter
 
     cfg = DrafterConfig(hidden_size=hidden, num_attention_heads=HEADS, num_key_value_heads=HEADS, head_dim=192,
                         intermediate_size=2 * hidden, vocab_size=4096, draft_vocab_size=2048,
@@ -136,4 +139,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(ending.run(main, logging.getLogger("benchmarks.eval_memory")))

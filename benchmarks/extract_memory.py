@@ -2,7 +2,7 @@
 
 The stand-in target has Kimi-K2.5's hidden size (7168) and 3 captured layers, so every captured token
 is 86 KB of fp32 features as on the real model, while its weights stay tiny
-(``catalog.tiny_models.make_kimi_shaped_standin``). The data are long conversations. Each run is the
+(``redraft.catalog.tiny_models.make_kimi_shaped_standin``). The data are long conversations. Each run is the
 real command line (``python -m extract``) in a fresh child process; its peak RSS is the child's
 ``ru_maxrss`` (``os.wait4``). The goal (issue 13) is that the peak stays within
 
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import platform
 import random
@@ -40,6 +41,8 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from redraft.core import cli as ending
 
 ROOT = Path(__file__).resolve().parents[1]
 KIMI_HIDDEN = 7168
@@ -61,7 +64,7 @@ class Run:
 
 def build_world(root: Path, *, samples: int, words: int, seed: int = 0) -> tuple[Path, Path]:
     """The stand-in target and `samples` long conversations (one user turn, one long reply)."""
-    from catalog.tiny_models import make_kimi_shaped_standin
+    from redraft.catalog.tiny_models import make_kimi_shaped_standin
 
     target = root / "kimi-shaped"
     if not (target / "config.json").exists():
@@ -211,4 +214,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(ending.run(main, logging.getLogger("benchmarks.extract_memory")))

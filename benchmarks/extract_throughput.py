@@ -15,7 +15,7 @@ figures the run's summary line prints), exclusive and adding up to the stage's w
 Bare: the target's decoder stack alone (``model.model(input_ids, attention_mask)`` for a Llama: no
 lm_head, no logits, no hooks), same weights, dtype, attention implementation and threads, on exactly the
 batches the stage forwarded (read back from the dataset it wrote, packed by the same
-``core.batching.pack_batches`` with the same ``--batch-tokens``), padded as the capture pads them. Both
+``redraft.core.batching.pack_batches`` with the same ``--batch-tokens``), padded as the capture pads them. Both
 are counted in real (unpadded) tokens. Stage and bare repeats are interleaved (stage then bare, then bare
 then stage, ...) so load from elsewhere hits both; reported: median, best and the spread, and the ratio
 stage / bare per pair of neighbouring runs. The model load (or engine start) and the engines' close are
@@ -43,6 +43,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from redraft.core import cli as ending
 
 log = logging.getLogger("bench.extract_throughput")
 
@@ -115,8 +117,8 @@ def forwarded_batches(out: Path, batch_tokens: int) -> list[list[list[int]]]:
     """The batches the stage forwarded: each shard's stored samples (input order) packed as the pipeline packs them."""
     from safetensors import safe_open
 
-    from core.batching import pack_batches
-    from core.dataset.format import load_manifest, read_shard_header
+    from redraft.core.batching import pack_batches
+    from redraft.core.dataset.format import load_manifest, read_shard_header
 
     batches = []
     for entry in load_manifest(out)["shards"]:
@@ -135,8 +137,8 @@ class Bare:
     """The target's decoder stack alone, loaded as the stage's hf backend loads it."""
 
     def __init__(self, target: str, dtype: str) -> None:
-        from catalog.builtin import resolve_target
         from extract.backends.hf import HFTarget
+        from redraft.catalog.builtin import resolve_target
 
         self.hf = HFTarget(str(resolve_target(target)), name=target, dtype=dtype, device="cpu")
         self.pad = self.hf._pad_id()
@@ -239,7 +241,7 @@ def measure(args: argparse.Namespace, bare: Bare, root: Path, name: str, samples
 
 def storage(args: argparse.Namespace, root: Path, hidden_size: int, num_aux: int) -> dict[str, Any]:
     """Bytes per token of each storage variant, measured from the shards the stage writes, and from the layout."""
-    from core.dataset.format import bytes_per_token
+    from redraft.core.dataset.format import bytes_per_token
 
     sizes = {}
     for dtype in ("bf16", "fp8"):
@@ -313,7 +315,7 @@ def format_tables(report: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    quiet = {name: logging.getLogger(name).level for name in ("extract", "core", "httpx")}
+    quiet = {name: logging.getLogger(name).level for name in ("extract", "redraft", "httpx")}
     for name in quiet:  # the stage's own progress lines; its summary line is kept
         logging.getLogger(name).setLevel(logging.WARNING)
     try:
@@ -368,4 +370,4 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(ending.run(main, logging.getLogger("benchmarks.extract_throughput")))

@@ -14,7 +14,7 @@ order, each part recorded even when a later one fails:
    TTT attention kernel (eager, sdpa, flex);
 3. **equality** of the kernels: loss and every gradient of sdpa and flex against eager in fp32 at T = 512 (the
    CPU has no FlexAttention backward, so this is where flex's gradients are held);
-4. **loader**: the stored-row loader (core.dataset.stored) over shards written by the real writer at Kimi's
+4. **loader**: the stored-row loader (redraft.core.dataset.stored) over shards written by the real writer at Kimi's
    width, up to the decoded batch on this device: tokens/s per host core, and the cores per rank that feed the
    measured training rate;
 5. **long context**: one training step (forward, loss, backward) of one sample of T = 4K, 16K and 32K tokens at
@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import platform
 import shutil
 import sys
@@ -43,6 +44,8 @@ from typing import Any
 import torch
 from loader_throughput import DRAFTER, KIMI, drafter_flops_per_token
 from reporting import publish
+
+from redraft.core import cli as ending
 
 IMPLS = ("eager", "sdpa", "flex")
 TINY_DRAFTER = {**DRAFTER, "hidden_size": 64, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 80,
@@ -92,9 +95,9 @@ def matmul_rate(device: torch.device, n: int) -> dict:
 
 
 def _drafter(cfg: dict, device: torch.device, dtype: torch.dtype, impl: str = "eager") -> Any:
-    from core.drafter.config import DrafterConfig
-    from core.drafter.modeling import Eagle3Drafter
-    from core.drafter.vocab import build_vocab_mapping
+    from redraft.core.drafter.config import DrafterConfig
+    from redraft.core.drafter.modeling import Eagle3Drafter
+    from redraft.core.drafter.vocab import build_vocab_mapping
 
     torch.manual_seed(0)
     d = Eagle3Drafter(DrafterConfig(**cfg, torch_dtype="bfloat16"), attention_impl=impl)
@@ -104,7 +107,7 @@ def _drafter(cfg: dict, device: torch.device, dtype: torch.dtype, impl: str = "e
 
 
 def _batch(cfg: dict, seq: int, device: torch.device, dtype: torch.dtype, seed: int = 1) -> Any:
-    from core.dataset.batch import Batch
+    from redraft.core.dataset.batch import Batch
 
     g = torch.Generator().manual_seed(seed)
     k = 8
@@ -237,10 +240,10 @@ def long_context(sh: Shape, device: torch.device) -> dict:
 
 def loader_rate(sh: Shape, device: torch.device) -> dict:
     """Stored rows -> pinned batch -> decoded on ``device``, over shards the real writer wrote."""
-    from core.dataset.format import SampleFeatures
-    from core.dataset.reader import DatasetReader
-    from core.dataset.stored import collate_stored
-    from core.dataset.writer import finalize_dataset, write_shard
+    from redraft.core.dataset.format import SampleFeatures
+    from redraft.core.dataset.reader import DatasetReader
+    from redraft.core.dataset.stored import collate_stored
+    from redraft.core.dataset.writer import finalize_dataset, write_shard
 
     torch.set_num_threads(1)  # a loader worker is one core
     root = Path(tempfile.mkdtemp(prefix="gpu-check-loader-"))
@@ -372,4 +375,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(ending.run(main, logging.getLogger("benchmarks.gpu_check")))

@@ -2,7 +2,7 @@
 
     python benchmarks/hash_once.py --out docs/results/hash-once            # 2,000 shards at Kimi-K2.5's width
 
-Shards are written by the real writer (``core.dataset.writer.write_shard``) at Kimi-K2.5's feature width (7168 x 3
+Shards are written by the real writer (``redraft.core.dataset.writer.write_shard``) at Kimi-K2.5's feature width (7168 x 3
 aux in fp8, top-64 teacher). Then, on the same folder, in one run:
 
 - **resume**: what a restarted extraction rank asks of each of its finished shards (``read_shard_info``, as
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import shutil
 import sys
 import tempfile
@@ -29,8 +30,9 @@ from pathlib import Path
 import torch
 from reporting import publish
 
-from core.dataset.format import SampleFeatures, shard_relpath
-from core.dataset.writer import finalize_dataset, read_shard_info, write_shard
+from redraft.core import cli as ending
+from redraft.core.dataset.format import SampleFeatures, shard_relpath
+from redraft.core.dataset.writer import finalize_dataset, read_shard_info, write_shard
 
 KIMI = {"hidden": 7168, "num_aux": 3, "topk": 64, "vocab": 163840}
 
@@ -129,4 +131,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(ending.run(main, logging.getLogger("benchmarks.hash_once")))

@@ -9,7 +9,7 @@ worker is one core):
 - **decoded on the host** (what redraft did before): ``DatasetReader.get`` decodes fp8 to fp32 and scans it for
   NaN/Inf, ``collate`` pads fp32, and the device would receive fp32 (~86 KB per token);
 - **stored** (now): ``get_stored`` checks the stored bytes, ``collate_stored`` pads them as stored, and the device
-  receives ~22 KB per token and decodes there (``core.dataset.stored``).
+  receives ~22 KB per token and decodes there (``redraft.core.dataset.stored``).
 
 Per path: host tokens/s, bytes per token sent to the device, CPU seconds per million tokens. Beside them, the
 tokens/s one H200 trains at the Kimi-K2.5 MLA drafter's shape, **estimated** from the drafter's counted FLOPs
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import shutil
 import sys
 import tempfile
@@ -30,11 +31,12 @@ from pathlib import Path
 import torch
 from reporting import publish
 
-from core.dataset.batch import collate
-from core.dataset.format import SampleFeatures
-from core.dataset.reader import DatasetReader
-from core.dataset.stored import collate_stored
-from core.dataset.writer import finalize_dataset, write_shard
+from redraft.core import cli as ending
+from redraft.core.dataset.batch import collate
+from redraft.core.dataset.format import SampleFeatures
+from redraft.core.dataset.reader import DatasetReader
+from redraft.core.dataset.stored import collate_stored
+from redraft.core.dataset.writer import finalize_dataset, write_shard
 
 KIMI = {"hidden": 7168, "num_aux": 3, "topk": 64, "vocab": 163840}
 # The Kimi-K2.5 MLA drafter (configs/kimi-k25/train-mla.yaml)
@@ -97,8 +99,8 @@ def drafter_flops_per_token(seq: int, ttt_steps: int, cfg: dict = DRAFTER) -> di
     """FLOPs one training token costs an MLA drafter (default: Kimi-K2.5's): 2 x weights per matmul pass (fc once;
     the layer and lm_head at every TTT step), the attention's q.k and p.v over the mean causal context, x3 for
     backward."""
-    from core.drafter.config import DrafterConfig
-    from core.drafter.modeling import Eagle3Drafter
+    from redraft.core.drafter.config import DrafterConfig
+    from redraft.core.drafter.modeling import Eagle3Drafter
 
     with torch.device("meta"):
         d = Eagle3Drafter(DrafterConfig(**cfg, torch_dtype="bfloat16"))
@@ -159,4 +161,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(ending.run(main, logging.getLogger("benchmarks.loader_throughput")))

@@ -3,7 +3,7 @@
     python benchmarks/long_capture.py --out docs/results/long-capture --tokens 32768 --backends hf,vllm,sglang
 
 What it measures: one chat of at least ``--tokens`` tokens (chitchat transcripts joined end to end into one user
-turn, ``catalog/long_chats.py``, and a short assistant reply: one chitchat turn not in the prompt), written as a
+turn, ``redraft/catalog/long_chats.py``, and a short assistant reply: one chitchat turn not in the prompt), written as a
 one-record JSONL file, read, tokenized and captured the way ``extract.pipeline`` does it (``read_records``,
 ``tokenize_conversation`` at ``max_length`` = the sample's length, ``load_backend`` of a validated
 ``ExtractConfig`` with ``dtype: float32``, the backend's ``capture_batches``), but kept in fp32 in memory instead of
@@ -25,7 +25,7 @@ CPU MLA backend, its ``extract_hidden_states`` capture; vLLM prefills an MLA tar
 in the vLLM CPU venv, with redraft's capture connector writing its files and the teacher computed here from the
 end layer's state; ``sglang`` is SGLang 0.5.23's engine (scheduler, model code, aux capture, input top-k
 log-probabilities), in the SGLang CPU venv, with redraft's plain-PyTorch stand-in for its compiled CPU kernels
-(``core/engines/sglang_cpu``) and chunked prefill off, so its speed is the stand-in's, not SGLang's kernels'.
+(``redraft/engines/sglang_cpu``) and chunked prefill off, so its speed is the stand-in's, not SGLang's kernels'.
 """
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ from typing import Any
 
 from reporting import publish
 
+from redraft.core import cli as ending
+
 ROOT = Path(__file__).resolve().parents[1]
 log = logging.getLogger("bench.long_capture")
 TARGET = "kimi-k25-mini"
@@ -59,7 +61,7 @@ DENSE_PREFILL = {
             "request (vllm/v1/attention/backends/mla/prefill/cpu_sdpa.py:65-79): fp32 scores and probabilities of "
             "[heads, T, T] and a [T, T] mask",
     "sglang": "SGLang capture prefills the sample in one pass (chunked prefill off), and redraft's stand-in for the "
-              "intel_amx extend kernel passes a [T, T] mask (core/engines/sglang_cpu/ops/attention.py:119) to "
+              "intel_amx extend kernel passes a [T, T] mask (redraft/engines/sglang_cpu/ops/attention.py:119) to "
               "torch's scaled_dot_product_attention (:45) with MLA's q/k head dim 192 and v head dim 128, which "
               "torch's CPU kernels run on the math path: [heads, T, T] fp32 scores and probabilities (the stand-in's "
               "memory; SGLang's compiled CPU kernel is not measured here)",
@@ -73,10 +75,10 @@ KV_MARGIN = 256  # SGLang's KV pool beyond the sample: it refuses a prompt withi
 def long_record(tokenizer: Any, tokens: int) -> tuple[dict[str, Any], int]:
     """A one-turn chat of at least ``tokens`` tokens as the target's template renders it, and its length. Grown
     from below until it is long enough, at the chars per token measured so far (near 3.7 on chitchat)."""
-    from catalog.builtin import chitchat_records
-    from catalog.long_chats import long_chats, transcripts
     from extract.chat import tokenize_conversation
     from extract.records import Message
+    from redraft.catalog.builtin import chitchat_records
+    from redraft.catalog.long_chats import long_chats, transcripts
 
     records = chitchat_records()
     texts = transcripts(records)
@@ -120,11 +122,11 @@ def run_case(backend: str, data: Path, max_length: int, save: Path, work: Path) 
     """Capture the sample as the pipeline would, save the features (fp32) to ``save``; seconds, RSS, facts."""
     from safetensors.torch import save_file
 
-    from catalog.builtin import resolve_target
     from extract.backends.base import TeacherSpec
     from extract.chat import tokenize_conversation
     from extract.pipeline import load_backend
     from extract.records import read_records
+    from redraft.catalog.builtin import resolve_target
 
     cfg = extract_config(backend, data, max_length, work)
     record = read_records([data], require_assistant=True, strict=True).records[0]
@@ -261,7 +263,7 @@ def measure(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
     longer."""
     from transformers import AutoTokenizer
 
-    from catalog.builtin import resolve_target
+    from redraft.catalog.builtin import resolve_target
 
     tok = AutoTokenizer.from_pretrained(str(resolve_target(TARGET)), local_files_only=True)
     rows: list[dict[str, Any]] = []
@@ -339,7 +341,7 @@ def format_table(report: dict[str, Any]) -> str:
 
 def target_heads() -> int:
     """The target's attention heads (from its config.json)."""
-    from catalog.builtin import resolve_target
+    from redraft.catalog.builtin import resolve_target
 
     return int(json.loads((resolve_target(TARGET) / "config.json").read_text())["num_attention_heads"])
 
@@ -395,4 +397,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(ending.run(main, logging.getLogger("benchmarks.long_capture")))

@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import resource
 import sys
 import time
 from typing import Any
 
 from reporting import child_case, publish
+
+from redraft.core import cli as ending
 
 HEADS, HIDDEN, DRAFT_VOCAB, VOCAB, TOPK, STEPS = 2, 256, 4096, 16384, 8, 3
 DEFAULT_SEQS = "4096,8192,16384,32768,65536,131072"
@@ -34,9 +37,9 @@ DEFAULT_SEQS = "4096,8192,16384,32768,65536,131072"
 def _drafter(seq: int, impl: str):
     import torch
 
-    from core.drafter.config import DrafterConfig
-    from core.drafter.kinds import build_drafter
-    from core.drafter.vocab import build_vocab_mapping
+    from redraft.core.drafter.config import DrafterConfig
+    from redraft.core.drafter.kinds import build_drafter
+    from redraft.core.drafter.vocab import build_vocab_mapping
 
     cfg = DrafterConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=HEADS, head_dim=192,
                         intermediate_size=2 * HIDDEN, vocab_size=VOCAB, draft_vocab_size=DRAFT_VOCAB,
@@ -56,7 +59,7 @@ def _case(seq: int, path: str) -> dict:
     "+ckpt" for activation checkpointing of each TTT step."""
     import torch
 
-    from core.teacher_targets import teacher_from_topk
+    from redraft.core.teacher_targets import teacher_from_topk
     from train.ttt import ttt_forward
 
     torch.set_num_threads(2)
@@ -86,7 +89,7 @@ def kimi_width_bytes(seq: int = 128) -> dict:
     from gpu_check import _drafter as kimi_drafter
     from loader_throughput import DRAFTER
 
-    from core.teacher_targets import teacher_from_topk
+    from redraft.core.teacher_targets import teacher_from_topk
     from train.ttt import ttt_forward
 
     torch.set_num_threads(2)
@@ -221,4 +224,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(ending.run(main, logging.getLogger("benchmarks.long_context")))

@@ -33,15 +33,16 @@ from typing import Any
 
 from retrain_gain import BenchError, Stages, has_manifest
 
-from catalog.builtin import chitchat_records
-from catalog.long_chats import long_chats, transcripts
-from core.atomic import atomic_write_text
+from redraft.catalog.builtin import chitchat_records
+from redraft.catalog.long_chats import long_chats, transcripts
+from redraft.core import cli as ending
+from redraft.core.atomic import atomic_write_text
 
 ROOT = Path(__file__).resolve().parents[1]
 log = logging.getLogger("long_context_gain")
 
 def chats_file(count: int, first: int, texts: list[str], max_prompt_tokens: int, out: Path) -> Path:
-    """catalog.long_chats' chats as JSONL, written only when changed, so a rerun reuses the extraction."""
+    """redraft.catalog.long_chats' chats as JSONL, written only when changed, so a rerun reuses the extraction."""
     try:
         rows = long_chats(count, first, texts, max_prompt_tokens)
     except ValueError as e:
@@ -182,8 +183,4 @@ def _truth_summary(truth: dict[str, Any]) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except BenchError as e:
-        print(f"long_context_gain: {e}", file=sys.stderr)
-        sys.exit(1)
+    sys.exit(ending.run(main, logging.getLogger("benchmarks.long_context_gain")))

@@ -37,6 +37,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from redraft.core import cli as ending
+
 log = logging.getLogger("bench.exactness")
 
 
@@ -148,9 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import extract
     import extract.pipeline as pipeline
-    from core.dataset.reader import DatasetReader
     from extract.chat import stop_token_ids
     from extract.config import parse_args
+    from redraft.core.dataset.reader import DatasetReader
 
     log.info("extraction code: %s", Path(extract.__file__).parent)
     recorded: list[tuple[list[int], list[int]]] = []
@@ -210,4 +212,4 @@ def reader_tokenizer(out: str) -> Any:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(ending.run(main, logging.getLogger("benchmarks.regen_exactness")))

@@ -12,9 +12,9 @@ tokens per second (median over repeats, min and max), the ratio to the first eng
 today's path: transformers generate, batches of 8), how many replies equal the first engine's token for
 token, whether its repeats agree with each other, and the start-up time.
 
-Engines: ``hf:B`` (transformers, batches of B), ``vllm`` (vLLM through ``core.engines.vllm``: in-process
+Engines: ``hf:B`` (transformers, batches of B), ``vllm`` (vLLM through ``redraft.engines.vllm``: in-process
 where vllm is installed, else the vLLM CPU venv), ``server`` (a vLLM server from the same venv, started
-here on 127.0.0.1, asked by ``core.engines.server`` with ``--concurrency`` requests in flight; or
+here on 127.0.0.1, asked by ``redraft.engines.server`` with ``--concurrency`` requests in flight; or
 ``--server-url`` for one already running, e.g. SGLang on a GPU node).
 """
 
@@ -32,6 +32,8 @@ from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+from redraft.core import cli as ending
 
 log = logging.getLogger("bench.regen_throughput")
 
@@ -59,9 +61,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def load_prompts(tokenizer: Any, data: str, n: int, max_length: int) -> list[list[int]]:
     """The first user turn of the first n records, rendered as regeneration renders it."""
-    from catalog.builtin import resolve_data
     from extract.chat import encode_prompt
     from extract.records import read_records
+    from redraft.catalog.builtin import resolve_data
 
     records = read_records([resolve_data(data)], require_assistant=False).records
     prompts = []
@@ -97,12 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    from catalog.builtin import resolve_target
-    from core.engines.vllm import EngineSettings, VLLMServer
     from extract.backends.base import GenerationConfig
     from extract.backends.hf import HFTarget
     from extract.chat import stop_token_ids
     from extract.regen_engines import BackendRegenerator, ServerRegenerator, VLLMRegenerator
+    from redraft.catalog.builtin import resolve_target
+    from redraft.engines.vllm import EngineSettings, VLLMServer
 
     names = _engines(args.engines)
     target = resolve_target(args.target)
@@ -203,4 +205,4 @@ def format_table(report: dict[str, Any]) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(ending.run(main, logging.getLogger("benchmarks.regen_throughput")))

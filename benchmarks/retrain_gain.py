@@ -52,9 +52,10 @@ from typing import Any, ClassVar
 
 from retrain_gain_report import diagnosis, goals, markdown, print_summary, write_plot
 
-from core.atomic import atomic_write_text
-from core.drafter.folder import WEIGHTS_NAME, CheckpointError, read_record, resolve_drafter_folder
-from core.errors import Failure
+from redraft.core import cli as ending
+from redraft.core.atomic import atomic_write_text
+from redraft.core.drafter.folder import WEIGHTS_NAME, CheckpointError, read_record, resolve_drafter_folder
+from redraft.core.errors import Failure
 
 ROOT = Path(__file__).resolve().parents[1]
 log = logging.getLogger("bench.retrain_gain")
@@ -243,7 +244,7 @@ def first_exchanges(n: int, out: Path, max_prompt_chars: int, skip: int = 0) -> 
     passes over the first usable conversations (the training prompts, for the held-out set).
     Closeness to MT-bench is checked by extract itself (``--decontaminate``, cfg.decontaminate).
     """
-    from catalog.builtin import resolve_data
+    from redraft.catalog.builtin import resolve_data
 
     src = resolve_data("chitchat")
     rows: list[dict[str, Any]] = []
@@ -362,7 +363,7 @@ def train_options(cfg: BenchConfig) -> dict[str, Any]:
 
 def planned_tokens(data: Path, steps: int, opts: dict[str, Any], world: int) -> list[int]:
     """Cumulative training tokens after each of ``steps`` optimizer steps, from the trainer's own sampler."""
-    from core.dataset.reader import DatasetReader
+    from redraft.core.dataset.reader import DatasetReader
     from train.data import DistributedBucketSampler, split_by_id
 
     reader = DatasetReader(data)
@@ -449,7 +450,7 @@ def vocab_coverage(ckpt: Path, eval_data: Path) -> float:
     """Fraction of the eval set's loss tokens whose token is in the drafter's draft vocab (t2d)."""
     from safetensors import safe_open
 
-    from core.dataset.reader import DatasetReader
+    from redraft.core.dataset.reader import DatasetReader
 
     with safe_open(str(ckpt / WEIGHTS_NAME), "pt") as f:
         t2d = f.get_tensor("t2d").bool()
@@ -769,4 +770,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(ending.run(main, logging.getLogger("benchmarks.retrain_gain")))

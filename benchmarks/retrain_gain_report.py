@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from core.plotting import atomic_write_png, pyplot
+from redraft.core.plotting import atomic_write_png, pyplot
 
 GOAL_GAIN = 1.3  # B's tau (chain of 3) / A's
 GOAL_TAU_B = 2.0  # B's tau (chain of 3) on MT-bench

@@ -5,8 +5,8 @@
 One drafter, the same rendered MT-bench first turns, greedy, the same budget, one request at a time, twice:
 through ``python -m serve.bench`` against a vLLM server started here (acceptance from the difference of
 the ``/metrics`` spec-decode counters, what users of a server see), and through the one vLLM runner
-(``core.engines.vllm``) reading ``LLM.get_metrics()`` around each request, aggregated by
-``core.engines.counters.aggregate`` (what ``eval.online`` and the engine-truth lane report). Prints both side by
+(``redraft.engines.vllm``) reading ``LLM.get_metrics()`` around each request, aggregated by
+``redraft.engines.counters.aggregate`` (what ``eval.online`` and the engine-truth lane report). Prints both side by
 side; exit status 1 when the drafts, accepted tokens per position or streamed tokens differ. A check to
 run by hand (two engine starts, a few minutes on 2 cores), not a test; the test
 ``tests/engine/vllm/test_serving_vllm.py`` holds serve.bench against the server's own counters.
@@ -26,12 +26,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from catalog.builtin import resolve_target
-from core.atomic import atomic_write_text
-from core.engines.counters import aggregate
-from core.engines.request import TokenRequest
-from core.engines.vllm import EngineSettings, VLLMEngine, VLLMServer
 from eval.online import engine_drafter
+from redraft.catalog.builtin import resolve_target
+from redraft.core import cli as ending
+from redraft.core.atomic import atomic_write_text
+from redraft.engines.counters import aggregate
+from redraft.engines.request import TokenRequest
+from redraft.engines.vllm import EngineSettings, VLLMEngine, VLLMServer
 from serve.bench import ServingConfig, run_benchmark
 from serve.prompts import encode_chat_prompts, load_prompts
 
@@ -98,4 +99,4 @@ def table(sides: dict[str, dict[str, Any]]) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(ending.run(main, logging.getLogger("benchmarks.serving_counters_check")))

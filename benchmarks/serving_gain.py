@@ -6,7 +6,7 @@
 
 The seed's story is told in tokens/s: Kimi-K2.5 base 63.6 tok/s single stream and 2,370 peak, with the
 mismatched drafter 62.9 and 849. Here the same measurement runs on the embedded target: ``vllm serve``
-(``core.engines.vllm.VLLMServer``) with no drafter, with drafter A (default: the mismatched drafter of
+(``redraft.engines.vllm.VLLMServer``) with no drafter, with drafter A (default: the mismatched drafter of
 ``benchmarks/retrain_gain.py``, ``runs/retrain-gain/drafters/A``) and with drafter B (its retrained one), one
 server at a time, each measured by ``serve.bench`` (its sweep, imported: single stream and a concurrency
 sweep on MT-bench first turns rendered with the target's chat template, tokens/s, TTFT/TPOT percentiles,
@@ -46,10 +46,11 @@ from serving_gain_report import (
     write_plot,
 )
 
-from core.atomic import atomic_write_text
-from core.config import parse_hyphenated
-from core.engines.vllm import EngineError, engine_python
-from core.errors import UserError
+from redraft.core import cli as ending
+from redraft.core.atomic import atomic_write_text
+from redraft.core.config import parse_hyphenated
+from redraft.core.errors import UserError
+from redraft.engines.vllm import EngineError, engine_python
 from serve.repeats import ServerOptions, ServerSpec, SweepError, run_interleaved
 from serve.report import exit_for_failed_levels
 
@@ -150,7 +151,7 @@ def export_drafters(servers: list[Server], out: Path, target: str) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from catalog.builtin import resolve_target
+    from redraft.catalog.builtin import resolve_target
     from serve.bench import ServingConfig, ServingError
     from serve.prompts import encode_chat_prompts, load_prompts
 
@@ -235,4 +236,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(ending.run(main, logging.getLogger("benchmarks.serving_gain")))

@@ -11,8 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from core.atomic import atomic_write_text
-from core.plotting import atomic_write_png, pyplot
+from redraft.core.atomic import atomic_write_text
+from redraft.core.plotting import atomic_write_png, pyplot
 from serve.repeats import BASE, pool_server
 from serve.report import render_markdown_table as markdown_table
 from serve.report import tokens_axes

@@ -4,11 +4,11 @@
 
 SGLang 0.5.23's own engine (its scheduler, model code and aux-hidden-state capture) runs on the CPU in the
 SGLang CPU venv (``make sglang-cpu-venv``) with redraft's stand-in for its compiled kernels
-(``core/engines/sglang_cpu``: the attention of its ``intel_amx`` backend and bookkeeping ops, plain PyTorch).
+(``redraft/engines/sglang_cpu``: the attention of its ``intel_amx`` backend and bookkeeping ops, plain PyTorch).
 Per target (SmolLM2: Llama, GQA; kimi-k25-mini: DeepSeek-V3 MLA + MoE + YaRN, 4 layers; a random 6-layer
-DeepSeek-V3 with Kimi's YaRN, built by ``catalog.tiny_models.make_served_deepseek_v3``), in fp32, on MT-bench
+DeepSeek-V3 with Kimi's YaRN, built by ``redraft.catalog.tiny_models.make_served_deepseek_v3``), in fp32, on MT-bench
 first turns rendered with the target's template and a run of arbitrary ids: every layer SGLang can return
-(``0 .. L-2``, asked through ``core.layers``) against the HF backend's output of the same layer, per token
+(``0 .. L-2``, asked through ``redraft.core.layers``) against the HF backend's output of the same layer, per token
 ||sglang - hf|| / ||hf|| (median and max per layer), the teacher's top-1 ids and top-k log-probabilities; then
 the default aux layers' capture timed through both backends (tokens/s; the engine's start apart). The speed is
 the stand-in's, not SGLang's compiled kernels': it says what a CPU run costs, nothing about a GPU.
@@ -28,6 +28,8 @@ from typing import Any
 
 from reporting import publish
 
+from redraft.core import cli as ending
+
 ROOT = Path(__file__).resolve().parents[1]
 log = logging.getLogger("bench.sglang_capture")
 DEEPSEEK6 = "deepseek-v3-6"  # the random 6-layer DeepSeek-V3 (built here, not a built-in target)
@@ -37,7 +39,7 @@ def sequences(tokenizer: Any, vocab_size: int, turns: int = 6, random_ids: int =
     """MT-bench first turns rendered with the target's template, and a run of arbitrary ids in its vocabulary."""
     import torch
 
-    from catalog.builtin import mtbench_records
+    from redraft.catalog.builtin import mtbench_records
 
     seqs = [list(tokenizer.apply_chat_template([{"role": "user", "content": r["turns"][0]}], tokenize=True,
                                                add_generation_prompt=True, return_dict=False))
@@ -101,11 +103,11 @@ def timed_default_capture(path: Path, seqs: list[list[int]], python: str | None,
 def measure_target(name: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from capture_speed import compare_captures
 
-    from catalog.builtin import resolve_target
-    from core import layers
+    from redraft.catalog.builtin import resolve_target
+    from redraft.core import layers
 
     if name == DEEPSEEK6:
-        from catalog.tiny_models import make_served_deepseek_v3
+        from redraft.catalog.tiny_models import make_served_deepseek_v3
 
         path = make_served_deepseek_v3(work / DEEPSEEK6)
     else:
@@ -131,7 +133,7 @@ def measure_target(name: str, args: argparse.Namespace, work: Path) -> dict[str,
 def format_tables(report: dict[str, Any]) -> str:
     lines = [f"`{report['command']}`", "",
              f"SGLang {report['sglang_version']} (its engine; redraft's CPU stand-in for its kernels), fp32. Every "
-             "layer SGLang can return, asked through core.layers, against the HF backend's output of that layer: "
+             "layer SGLang can return, asked through redraft.core.layers, against the HF backend's output of that layer: "
              "||sglang - hf|| / ||hf|| per token, median / max over positions", "",
              "| target | layers (engine ids) | positions | worst layer median | worst layer max | teacher top-1 equal | "
              "top-k log-prob gap, median / max |", "|---|---|---:|---:|---:|---:|---|"]
@@ -167,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="", help="write sglang-capture.json and sglang-capture.md here")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from core.engines.sglang import engine_runtime, installed_version
+    from redraft.engines.sglang import engine_runtime, installed_version
 
     runtime = engine_runtime(args.engine_python or None)
     with tempfile.TemporaryDirectory(prefix="redraft-sglang-capture-") as work:
@@ -182,4 +184,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(ending.run(main, logging.getLogger("benchmarks.sglang_capture")))

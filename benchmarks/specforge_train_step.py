@@ -27,10 +27,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import resource
 import sys
 import time
 from pathlib import Path
+
+from redraft.core import cli as ending
 
 
 def _status_kb(key: str) -> int:
@@ -103,4 +106,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(ending.run(main, logging.getLogger("benchmarks.specforge_train_step")))

@@ -2,7 +2,7 @@
 
     python benchmarks/storage_table.py --out docs/results/storage
 
-Bytes per token are the shard layout's (``core.dataset.format.bytes_per_token``: token id and loss mask, the
+Bytes per token are the shard layout's (``redraft.core.dataset.format.bytes_per_token``: token id and loss mask, the
 aux layers in the storage dtype with their fp8 scales, the teacher). Offline keeps every token until training
 ends; a stream (``extract --window-bytes W`` + ``train/main.py --stream``) holds at most the window plus the
 shard each extraction rank is writing, whatever the number of conversations. The streamed figure is the
@@ -13,11 +13,13 @@ one shard).
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from reporting import publish
 
-from core.dataset.format import bytes_per_token
+from redraft.core import cli as ending
+from redraft.core.dataset.format import bytes_per_token
 
 KIMI = {"hidden_size": 7168, "num_aux": 3}  # Kimi-K2.5: hidden 7168, EAGLE-3's three aux layers
 LAYOUTS = [("fp8", ("topk",), 64), ("bf16", ("topk",), 64), ("fp8", ("last_hidden",), 0)]
@@ -72,4 +74,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(ending.run(main, logging.getLogger("benchmarks.storage_table")))

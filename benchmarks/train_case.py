@@ -94,7 +94,7 @@ def matmul_peak(threads: int, n: int = 2048, repeats: int = 3) -> float:
 
 
 def drafter_config(s: Shape):
-    from core.drafter.config import DrafterConfig
+    from redraft.core.drafter.config import DrafterConfig
 
     return DrafterConfig(
         hidden_size=s.hidden, num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, head_dim=s.head_dim,
@@ -105,9 +105,9 @@ def drafter_config(s: Shape):
 
 
 def _drafter_and_batch(s: Shape, seed: int = 0):
-    from core.dataset.batch import Batch
-    from core.drafter.modeling import Eagle3Drafter
-    from core.drafter.vocab import build_vocab_mapping, draft_token_ids
+    from redraft.core.dataset.batch import Batch
+    from redraft.core.drafter.modeling import Eagle3Drafter
+    from redraft.core.drafter.vocab import build_vocab_mapping, draft_token_ids
     from train.ttt import TTTModel
 
     torch.manual_seed(seed)

@@ -14,6 +14,7 @@ loading counts; a side whose RSS passes ``mem_limit`` is stopped and reported as
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import statistics
@@ -27,6 +28,8 @@ from typing import Any
 
 import torch
 
+from redraft.core import cli as ending
+
 ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
 
@@ -39,7 +42,7 @@ def write_case(case: Path, shape_json: str, seed: int = 0) -> None:
     from safetensors.torch import save_file
     from train_case import Shape, _drafter_and_batch, drafter_config
 
-    from core.drafter.folder import write_drafter_folder
+    from redraft.core.drafter.folder import write_drafter_folder
 
     s = Shape(**json.loads(shape_json))
     model, batch = _drafter_and_batch(s, seed)
@@ -110,8 +113,8 @@ def ours_worker(case: Path, threads: int, warmup: int, repeats: int) -> dict[str
     )
 
     import train.ttt  # another checkout's when its side was started with PYTHONPATH=DIR (side_commands)
-    from core.dataset.batch import Batch
-    from core.drafter.modeling import Eagle3Drafter
+    from redraft.core.dataset.batch import Batch
+    from redraft.core.drafter.modeling import Eagle3Drafter
     from train.ttt import TTTModel
 
     torch.set_num_threads(threads)
@@ -190,7 +193,9 @@ def side_commands(case: Path, sides: list[dict[str, Any]], threads: int, warmup:
     for side in sides:
         common = ["--threads", str(threads), "--warmup", str(warmup), "--repeats", str(repeats)]
         if side["kind"] == "specforge":
-            cmds.append([side["python"], str(HERE / "specforge_train_step.py"), str(case), *common])
+            # SpecForge's venv has no redraft installed: the step imports conformance/ from the repository
+            cmds.append(["env", f"PYTHONPATH={ROOT}", side["python"], str(HERE / "specforge_train_step.py"), str(case),
+                         *common])
         else:
             # another checkout's code goes first on the child's path: ahead of this one's installed packages
             code = ["env", f"PYTHONPATH={Path(side['code']).resolve()}"] if side.get("code") else []
@@ -262,4 +267,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(ending.run(main, logging.getLogger("benchmarks.train_sidebyside")))

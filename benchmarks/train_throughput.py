@@ -7,7 +7,7 @@ one) it reports
     it (teacher_from_topk densification, TTTModel forward over K TTT steps, backward, gradient
     clipping, AdamW), timed best-of-N, with a timed square fp32 matmul at the same thread count
     interleaved between the repeats (the "peak"); the figure is achieved FLOP/s / peak;
-  * through train/main.py itself on a synthetic dataset (core.dataset.writer.write_shard +
+  * through train/main.py itself on a synthetic dataset (redraft.core.dataset.writer.write_shard +
     finalize_dataset) and a stub target folder: 1 plain process (--threads threads) and 2
     DeepSpeed ZeRO-2 processes over gloo (`accelerate launch --config_file
     configs/accelerate/cpu-2proc-zero2.yaml`, 1 thread each), tokens/s read from the run's own
@@ -64,6 +64,8 @@ from train_case import (
     flops_per_token,
     matmul_peak,
 )
+
+from redraft.core import cli as ending
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -180,8 +182,8 @@ def make_target(path: Path, s: Shape) -> Path:
 
 def make_dataset(root: Path, target: Path, s: Shape, num_samples: int, per_shard: int = 8) -> Path:
     """Equal-length random samples (no padding, so tokens/s counts only real tokens)."""
-    from core.dataset.format import SampleFeatures, dataset_header
-    from core.dataset.writer import finalize_dataset, write_shard
+    from redraft.core.dataset.format import SampleFeatures, dataset_header
+    from redraft.core.dataset.writer import finalize_dataset, write_shard
 
     g = torch.Generator().manual_seed(5)
     samples = []
@@ -432,4 +434,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(ending.run(main, logging.getLogger("benchmarks.train_throughput")))

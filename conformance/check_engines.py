@@ -33,6 +33,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from redraft.core import cli as ending
+
 log = logging.getLogger("conformance.check_engines")
 
 VERDICT_RE = re.compile(r"^VERDICT (?P<engine>\w+) (?P<status>PASS|FAIL|ERROR)\b[:( ]?(?P<detail>.*)$")
@@ -120,11 +122,11 @@ def break_export(good: Path, out: Path, kind: str, renames: dict[str, str] | Non
 
 
 def precheck_problems(folder: Path) -> str | None:
-    """Our own table check (core.drafter.serving_format) on the folder's raw keys; None when it passes."""
+    """Our own table check (redraft.core.drafter.serving_format) on the folder's raw keys; None when it passes."""
     from safetensors.torch import load_file
 
-    from core.drafter.config import DrafterConfig
-    from core.drafter.serving_format import ServingFormatError, check_serving_state
+    from redraft.core.drafter.config import DrafterConfig
+    from redraft.core.drafter.serving_format import ServingFormatError, check_serving_state
 
     record = json.loads((folder / "redraft.json").read_text())
     cfg = DrafterConfig.from_dict(record["drafter"])
@@ -233,4 +235,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(ending.run(main, logging.getLogger("conformance.check_engines")))

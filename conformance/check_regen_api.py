@@ -3,7 +3,7 @@
     PYTHONPATH=. $ENGINE_VENV/bin/python conformance/check_regen_api.py
 
 ``extract --regen-backend server`` sends SGLang ``/generate`` bodies built by
-``core.engines.server.sglang_request``. SGLang's HTTP gate decodes them with its schema
+``redraft.engines.server.sglang_request``. SGLang's HTTP gate decodes them with its schema
 (``sglang.api.v1.api_types.GenerateRequest``, unknown sampling keys refused), then builds its own
 ``SamplingParams`` and verifies them. Both are run here on greedy and sampled requests; the answer
 shape ``parse_sglang`` reads is the one SGLang's tokenizer manager writes (checked in the unit tests).
@@ -12,10 +12,12 @@ Exit 0 when SGLang accepts every body, 1 with the refusal otherwise.
 
 from __future__ import annotations
 
+import logging
 import sys
 
-from core.engines.request import TokenRequest
-from core.engines.server import sglang_request
+from redraft.core import cli as ending
+from redraft.engines.request import TokenRequest
+from redraft.engines.server import sglang_request
 
 
 def main() -> int:
@@ -48,4 +50,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(ending.run(main, logging.getLogger("conformance.check_regen_api")))

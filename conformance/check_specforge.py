@@ -36,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+from redraft.core import cli as ending
+
 log = logging.getLogger("conformance.check_specforge")
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -61,7 +63,7 @@ CASES = (Case("plain-T24", 2, 24, None), Case("padded-T24", 2, 24, 15), Case("pa
 
 
 def small_config():
-    from core.drafter.config import DrafterConfig
+    from redraft.core.drafter.config import DrafterConfig
 
     # GQA, target hidden != drafter hidden (fc really projects), non-default theta and eps
     return DrafterConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -72,8 +74,8 @@ def small_config():
 
 def make_drafter(cfg, seed: int):
     """A random drafter whose norms are not all ones (so a missing or misplaced norm shows)."""
-    from core.drafter.modeling import Eagle3Drafter
-    from core.drafter.vocab import build_vocab_mapping
+    from redraft.core.drafter.modeling import Eagle3Drafter
+    from redraft.core.drafter.vocab import build_vocab_mapping
 
     torch.manual_seed(seed)
     d = Eagle3Drafter(cfg)
@@ -161,9 +163,9 @@ def compare_case(case: Case, work: Path, sf_python: str, interop: bool) -> tuple
     """(problems, observed known-issue ids) of one case."""
     from safetensors.torch import load_file, save_file
 
-    from core.drafter.folder import write_drafter_folder
-    from core.drafter.modeling import Eagle3Drafter
-    from core.teacher_targets import teacher_from_topk
+    from redraft.core.drafter.folder import write_drafter_folder
+    from redraft.core.drafter.modeling import Eagle3Drafter
+    from redraft.core.teacher_targets import teacher_from_topk
     from train.ttt import soft_cross_entropy, ttt_forward
 
     cfg = small_config()
@@ -325,4 +327,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(ending.run(main, logging.getLogger("conformance.check_specforge")))

@@ -1,4 +1,4 @@
-"""Random EAGLE-3 drafter folders in the engines' own layout, written WITHOUT ``core.drafter``.
+"""Random EAGLE-3 drafter folders in the engines' own layout, written WITHOUT ``redraft.core.drafter``.
 
     python -m conformance.foreign_drafter OUT --preset llama-tiny|llama-smollm [--rename A=B] [--drop KEY]
     python -m conformance.foreign_drafter OUT --preset mla-tiny|mla-tiny-direct-q|mla-kimi [--config K=JSON]
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import sys
@@ -26,7 +27,8 @@ from typing import Any
 
 import torch
 
-from core.layers import ENGINES, from_engine_layer_ids, to_engine_layer_ids
+from redraft.core import cli as ending
+from redraft.core.layers import ENGINES, from_engine_layer_ids, to_engine_layer_ids
 
 LLAMA_ARCH = "LlamaForCausalLMEagle3"
 MLA_ARCH = "Eagle3DeepseekV2ForCausalLM"
@@ -43,7 +45,7 @@ def config_layer_ids(ours: Sequence[int], architecture: str, num_layers: int,
                      engines: Sequence[str] = ENGINES) -> tuple[int, ...]:
     """The config.json ids that make each of ``engines`` capture our layer ids ``ours``.
 
-    Candidates are each engine's own spelling (``core.layers.to_engine_layer_ids``, the rule's one home), kept when
+    Candidates are each engine's own spelling (``redraft.core.layers.to_engine_layer_ids``, the rule's one home), kept when
     every engine reads it back as ``ours`` (``from_engine_layer_ids``): a preset whose folder every engine reads
     must mean the same layers to each. Kimi-K2.5's ``[1, 29, 57]``: SGLang's own spelling is ``[1, 29, 57]`` (read
     alike by 0.5.10 and 0.5.23), vLLM's ``[2, 30, 58]``, which SGLang 0.5.23 reads as the same layers.
@@ -314,4 +316,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(ending.run(main, logging.getLogger("conformance.foreign_drafter")))

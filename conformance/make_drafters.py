@@ -19,7 +19,7 @@ whether each format is loaded by both engines or only by its own (``engines``):
   163840, draft vocab 32000, 61-layer target, our ids [1, 29, 57]); random bf16 weights written by
   ``train.checkpoint.write_drafter_folder`` (1.2B parameters: built tensor by tensor in bf16);
 - ``warm``: an SGLang-layout drafter written by ``conformance.foreign_drafter`` (SmolLM2 demo shape;
-  not through ``core.drafter``: it stands for a drafter made elsewhere), imported by
+  not through ``redraft.core.drafter``: it stands for a drafter made elsewhere), imported by
   ``train/main.py --init-from`` for one step, export;
 - ``mla``: MLA drafters (``Eagle3DeepseekV2ForCausalLM``) in the engines' layout, which our exporter
   does not write yet, written by ``conformance.foreign_drafter`` into ``WORK/foreign/<name>`` with
@@ -44,6 +44,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from redraft.core import cli as ending
 
 log = logging.getLogger("conformance.make_drafters")
 
@@ -135,8 +137,8 @@ def make_warm(work: Path) -> None:
 
 def kimi_state(cfg, seed: int = 0) -> dict[str, torch.Tensor]:
     """Random serving weights of ``cfg`` in bf16, one tensor at a time (never an fp32 copy of the model)."""
-    from core.drafter.serving_format import expected_tensors
-    from core.drafter.vocab import build_vocab_mapping
+    from redraft.core.drafter.serving_format import expected_tensors
+    from redraft.core.drafter.vocab import build_vocab_mapping
 
     g = torch.Generator().manual_seed(seed)
     state: dict[str, torch.Tensor] = {}
@@ -155,8 +157,8 @@ def kimi_state(cfg, seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def make_kimi(work: Path) -> None:
-    from core.drafter.config import DrafterConfig
-    from core.drafter.folder import write_drafter_folder
+    from redraft.core.drafter.config import DrafterConfig
+    from redraft.core.drafter.folder import write_drafter_folder
 
     cfg = DrafterConfig(**KIMI)
     ckpt = work / "runs" / "kimi"
@@ -217,4 +219,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(ending.run(main, logging.getLogger("conformance.make_drafters")))

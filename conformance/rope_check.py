@@ -4,10 +4,10 @@
 
 For each rope type the targets in the field use (:data:`CASES`, with the published values they come from) and
 each drafter attention kind the engines serve it with, a drafter config is built, its ``config.json`` written
-by our exporter (``core.drafter.serving_format.serving_config``, one folder per engine), and
+by our exporter (``redraft.core.drafter.serving_format.serving_config``, one folder per engine), and
 ``conformance/rope_probe.py``, run by the engine's own interpreter in a subprocess, lets the engine parse the
 folder and build its drafter class on CPU. What the engine's attention layer then holds is compared with
-``core.drafter.rope`` (``rope_tables``, ``Rope.cos_sin``, ``Rope.apply``), each as a relative difference
+``redraft.core.drafter.rope`` (``rope_tables``, ``Rope.cos_sin``, ``Rope.apply``), each as a relative difference
 (divided by our cos/sin magnitude, frequency, or scale), all within :data:`RTOL`:
 
 - ``cos_sin``: the engine's ``cos_sin_cache`` rows, laid out in its pairing, against ``Rope.cos_sin`` at every
@@ -25,7 +25,7 @@ A mismatch is reported by the config keys that set the differing part (:func:`co
 dropping one key from our config makes our part equal to the engine's, that key is named, else every key that
 sets the part.
 
-The configs the two engines serve two ways are held too: ``core.drafter.rope.engine_rope_deviations`` names
+The configs the two engines serve two ways are held too: ``redraft.core.drafter.rope.engine_rope_deviations`` names
 the engine and the key (and ``eval.export`` refuses that engine's format by it); that engine must still differ
 (a fixed engine shows up), the other must match. :data:`MLA_REFUSED` are the rope types an MLA drafter is not
 trained with (``rope_tables`` refuses them): the engines build DeepSeek's YaRN (or fail) for each, never the type
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import subprocess
 import sys
@@ -47,9 +48,10 @@ from typing import Any
 
 import torch
 
-from core.drafter.config import DrafterConfig
-from core.drafter.rope import Rope, engine_rope_deviations, rope_tables
-from core.drafter.serving_format import serving_config
+from redraft.core import cli as ending
+from redraft.core.drafter.config import DrafterConfig
+from redraft.core.drafter.rope import Rope, engine_rope_deviations, rope_tables
+from redraft.core.drafter.serving_format import serving_config
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = ROOT / "conformance" / "rope_probe.py"
@@ -121,7 +123,7 @@ CASES: tuple[RopeCase, ...] = (
     RopeCase("yarn-truncate-false", "mla", 150000.0, GPT_OSS, 131072, "gpt-oss's keys"),
 )
 
-# rope configs an MLA drafter cannot be trained with (core.drafter.rope refuses them), and what the engines do
+# rope configs an MLA drafter cannot be trained with (redraft.core.drafter.rope refuses them), and what the engines do
 # with them: every scaled type becomes DeepSeek's YaRN, so the type asked for is not what would be served.
 MLA_REFUSED: tuple[RopeCase, ...] = (
     RopeCase("linear", "mla", 10000.0, {"rope_type": "linear", "factor": 4.0}, 16384, "a linear target"),
@@ -212,7 +214,7 @@ def write_cases(root: Path, engine: str, cases: Iterable[RopeCase]) -> list[dict
 def run_probe(python: str, engine: str, cases: Sequence[RopeCase], workdir: Path | None = None,
               timeout_s: float = 600.0, verbose: bool = False) -> dict[str, dict[str, Any]]:
     """rope_probe.py under ``python`` for ``engine``: {case id: what the engine built} (or {"error": ...})."""
-    from core.engines.vllm import engine_env
+    from redraft.engines.vllm import engine_env
 
     with tempfile.TemporaryDirectory(prefix=f"rope-{engine}-", dir=workdir) as tmp:
         root = Path(tmp)
@@ -404,7 +406,7 @@ def failures(c: Comparison, case: RopeCase) -> list[str]:
         bad += [f"{c.case}: {p}" for p in c.problems]
     elif not c.problems:
         bad.append(f"{c.case}: {who} now serves this config as trained, but engine_rope_deviations says "
-                   f"{deviation!r} (and eval.export refuses it): update core.drafter.rope")
+                   f"{deviation!r} (and eval.export refuses it): update redraft.core.drafter.rope")
     return bad
 
 
@@ -468,4 +470,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(ending.run(main, logging.getLogger("conformance.rope_check")))

@@ -52,6 +52,7 @@ import argparse
 import contextlib
 import importlib
 import json
+import logging
 import os
 import sys
 import types
@@ -59,6 +60,8 @@ import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+from redraft.core import cli as ending
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # before torch is imported anywhere
 
@@ -416,4 +419,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(ending.run(main, logging.getLogger("conformance.specforge_ref")))

@@ -52,13 +52,6 @@ from typing import Any
 
 import torch
 
-from core import cli as ending
-from core import options
-from core.atomic import atomic_write_text
-from core.dataset.batch import collate
-from core.dataset.reader import DatasetReader
-from core.layers import ENGINES
-from core.options import option
 from eval import engine_walk as walk
 from eval import simulate as sim
 from eval.acceptance_report import format_markdown, format_table, write_plot
@@ -73,6 +66,13 @@ from eval.evaluation_inputs import (
     teacher_for_batch,
     teacher_kind,
 )
+from redraft.core import cli as ending
+from redraft.core import options
+from redraft.core.atomic import atomic_write_text
+from redraft.core.dataset.batch import collate
+from redraft.core.dataset.reader import DatasetReader
+from redraft.core.layers import ENGINES
+from redraft.core.options import option
 
 log = logging.getLogger(__name__)
 
@@ -409,7 +409,7 @@ def _names(paths: Sequence[str]) -> list[str]:
 
 @dataclass(kw_only=True)
 class AcceptanceOptions:
-    """The options of python -m eval.acceptance (core.options: --help, YAML keys and values)."""
+    """The options of python -m eval.acceptance (redraft.core.options: --help, YAML keys and values)."""
 
     checkpoints: list[str] = option(help="run folder (uses its 'latest'), step-XXXXXXX folder, or SGLang/SpecForge "
                                          "drafter folder; several side by side", group="inputs", positional=True,
@@ -460,7 +460,7 @@ DESCRIPTION = ("Offline acceptance length of EAGLE-3 drafters on a redraft datas
 
 
 def parse_options(argv: Sequence[str] | None) -> AcceptanceOptions:
-    """The command line (and its --config YAML) as AcceptanceOptions (core.options)."""
+    """The command line (and its --config YAML) as AcceptanceOptions (redraft.core.options)."""
     return options.parse(AcceptanceOptions, argv, prog=PROG, description=DESCRIPTION)
 
 
@@ -513,7 +513,7 @@ def _json_default(x: Any) -> Any:
 
 
 def cli(argv: list[str] | None = None) -> int:
-    """The command line: ``main`` ended as core.cli ends every command (one line and exit 2 on a mistake)."""
+    """The command line: ``main`` ended as redraft.core.cli ends every command (one line and exit 2 on a mistake)."""
     return ending.run(lambda: main(argv), logging.getLogger("eval.acceptance"))
 
 

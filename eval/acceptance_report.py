@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from core.plotting import atomic_write_png, pyplot
+from redraft.core.plotting import atomic_write_png, pyplot
 
 
 def _rows(results: dict[str, dict[str, Any]]) -> list[tuple[str, list[str]]]:

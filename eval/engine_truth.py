@@ -23,14 +23,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from core import cli as ending
-from core import options
-from core.atomic import atomic_write_text
-from core.config import ConfigError
-from core.options import option
 from eval import acceptance, online
 from eval.acceptance_report import format_table
 from eval.engine_walk import POSITION_BUCKETS
+from redraft.core import cli as ending
+from redraft.core import options
+from redraft.core.atomic import atomic_write_text
+from redraft.core.config import ConfigError
+from redraft.core.options import option
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ def markdown(results: dict[str, Any]) -> str:
 def run(ckpt: str, data: str, steps: Sequence[int], tol: Tolerances, *, max_samples: int = 0,
         speed_samples: int = 8, engine_python: str | None = None, target: str | None = None, engine: str = "vllm",
         topk: int = 1, num_draft_tokens: int | None = None) -> dict[str, Any]:
-    from core.dataset.reader import DatasetReader
+    from redraft.core.dataset.reader import DatasetReader
 
     reader = DatasetReader(data)
     indices = online.select(reader, ckpt, "all", max_samples)
@@ -202,7 +202,7 @@ def run(ckpt: str, data: str, steps: Sequence[int], tol: Tolerances, *, max_samp
 
 @dataclass(kw_only=True)
 class EngineTruthOptions:
-    """The options of python -m eval.engine_truth (core.options)."""
+    """The options of python -m eval.engine_truth (redraft.core.options)."""
 
     checkpoint: str = option(help="run or step folder (exported to the engine's layout)", group="inputs",
                              positional=True, metavar="CKPT")
@@ -238,7 +238,7 @@ DESCRIPTION = ("Hold eval.acceptance's offline tau against the engine's (vLLM or
 
 
 def parse_options(argv: Sequence[str] | None) -> EngineTruthOptions:
-    """The command line (and its --config YAML) as EngineTruthOptions (core.options)."""
+    """The command line (and its --config YAML) as EngineTruthOptions (redraft.core.options)."""
     return options.parse(EngineTruthOptions, argv, prog=PROG, description=DESCRIPTION)
 
 
@@ -270,8 +270,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def cli(argv: list[str] | None = None) -> int:
-    """The command line: ``main`` ended as core.cli ends every command (one line and exit 2 on a mistake)."""
-    # ValueError too: the drafter and layer rules (core.drafter, core.layers) refuse by key with it
+    """The command line: ``main`` ended as redraft.core.cli ends every command (one line and exit 2 on a mistake)."""
+    # ValueError too: the drafter and layer rules (redraft.core.drafter, redraft.core.layers) refuse by key with it
     return ending.run(lambda: main(argv), logging.getLogger("eval.engine_truth"))
 
 

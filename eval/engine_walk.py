@@ -57,8 +57,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from core.alignment import step_offset
-from core.answers import answer_runs, engine_stop  # noqa: F401  (the walk's rules 1 and 4)
+from redraft.core.alignment import step_offset
+from redraft.core.answers import answer_runs, engine_stop  # noqa: F401  (the walk's rules 1 and 4)
 
 # Where in a conversation a verify round drafts, by the row it drafts from (accepted_at's): long-context
 # drafters are judged past the 4K tokens training used to see (Kimi-K2.5's thinking conversations run to 64K).

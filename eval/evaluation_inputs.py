@@ -14,12 +14,17 @@ from typing import Any
 
 import torch
 
-from core.batching import pack_batches
-from core.drafter.folder import CheckpointError, load_drafter_checkpoint, read_record, resolve_drafter_folder
-from core.drafter.kinds import build_drafter
-from core.errors import UserError
-from core.target_weights import read_target_tensor, weight_key_candidates
-from core.teacher_targets import teacher_from_last_hidden, teacher_from_topk, topk_argmax
+from redraft.core.batching import pack_batches
+from redraft.core.drafter.folder import (
+    CheckpointError,
+    load_drafter_checkpoint,
+    read_record,
+    resolve_drafter_folder,
+)
+from redraft.core.drafter.kinds import build_drafter
+from redraft.core.errors import UserError
+from redraft.core.target_weights import read_target_tensor, weight_key_candidates
+from redraft.core.teacher_targets import teacher_from_last_hidden, teacher_from_topk, topk_argmax
 
 log = logging.getLogger(__name__)
 

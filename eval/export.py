@@ -2,7 +2,7 @@
 
 CKPT is a redraft step folder, a run folder (its ``latest`` is followed), or a foreign SGLang /
 SpecForge drafter folder (config.json + model.safetensors), which is imported. OUT gets
-``config.json`` (the engine's layer-id convention, see ``core.drafter.serving_format``),
+``config.json`` (the engine's layer-id convention, see ``redraft.core.drafter.serving_format``),
 ``model.safetensors`` with exactly the serving table's keys, ``redraft.json`` (provenance and
 the DrafterConfig, so ``train --init-from`` and ``eval.acceptance`` read OUT back exactly) and
 a short ``README.md``. The weights are checked against the table *before* anything is written,
@@ -32,11 +32,11 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from core import cli as ending
-from core import options
-from core.config import ConfigError
-from core.drafter.config import DrafterConfig
-from core.drafter.folder import (
+from redraft.core import cli as ending
+from redraft.core import options
+from redraft.core.config import ConfigError
+from redraft.core.drafter.config import DrafterConfig
+from redraft.core.drafter.folder import (
     REDRAFT_RECORD,
     WEIGHTS_NAME,
     CheckpointError,
@@ -44,9 +44,9 @@ from core.drafter.folder import (
     read_record,
     resolve_drafter_folder,
 )
-from core.drafter.kinds import build_drafter
-from core.drafter.rope import engine_rope_deviations
-from core.drafter.serving_format import (
+from redraft.core.drafter.kinds import build_drafter
+from redraft.core.drafter.rope import engine_rope_deviations
+from redraft.core.drafter.serving_format import (
     EMBED_KEY,
     FORMATS,
     ServingFormatError,
@@ -55,7 +55,11 @@ from core.drafter.serving_format import (
     serving_config,
     torch_dtype_of,
 )
-from core.engines.launch import (  # noqa: F401
+from redraft.core.errors import UserError
+from redraft.core.layers import to_engine_layer_ids, versions_reading
+from redraft.core.options import option
+from redraft.core.target_weights import text_config, weight_key_candidates
+from redraft.engines.launch import (  # noqa: F401
     CAP_NOTE,
     LaunchError,
     LaunchPlan,
@@ -63,10 +67,6 @@ from core.engines.launch import (  # noqa: F401
     sglang_command,
     vllm_command,
 )
-from core.errors import UserError
-from core.layers import to_engine_layer_ids, versions_reading
-from core.options import option
-from core.target_weights import text_config, weight_key_candidates
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ def _from_record(record: Mapping[str, Any]) -> tuple[str | None, str | None]:
     embed_key = record.get("embed_key")
     data = (record.get("dataset") or {}).get("path")
     if data:
-        from core.dataset.format import DatasetError, load_manifest
+        from redraft.core.dataset.format import DatasetError, load_manifest
 
         try:
             target = load_manifest(Path(data)).get("target") or {}
@@ -349,7 +349,7 @@ def export_checkpoint(ecfg: ExportConfig) -> ExportResult:
         "dataset": record.get("dataset"),
         "target_path": target_str,
         "engine_layer_ids": engine_layer_ids(config),
-        # which engine versions capture the trained layers for these ids (core.layers: each version's rule)
+        # which engine versions capture the trained layers for these ids (redraft.core.layers: each version's rule)
         "layer_ids_checked_for": checked,
         "command": command,
         "drafter": cfg.to_dict(),
@@ -375,7 +375,7 @@ def export_checkpoint(ecfg: ExportConfig) -> ExportResult:
 
 @dataclass(kw_only=True)
 class ExportOptions:
-    """The options of python -m eval.export (core.options); ``parse_args`` maps them onto an ExportConfig."""
+    """The options of python -m eval.export (redraft.core.options); ``parse_args`` maps them onto an ExportConfig."""
 
     ckpt: str = option(help="a redraft step-* folder, a run folder (its 'latest' is followed, else the newest "
                             "step-*), or a foreign SGLang/SpecForge drafter folder (config.json + model.safetensors)",
@@ -437,7 +437,7 @@ EPILOG = ("Example: python -m eval.export runs/demo OUT/drafter-sglang --format 
 
 
 def parse_options(argv: Sequence[str] | None) -> ExportOptions:
-    """The command line (and its --config YAML) as ExportOptions (core.options)."""
+    """The command line (and its --config YAML) as ExportOptions (redraft.core.options)."""
     return options.parse(ExportOptions, argv, prog=PROG, description=DESCRIPTION, epilog=EPILOG)
 
 
@@ -485,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cli(argv: list[str] | None = None) -> int:
-    """The command line: ``main`` ended as core.cli ends every command (one line and exit 2 on a mistake)."""
+    """The command line: ``main`` ended as redraft.core.cli ends every command (one line and exit 2 on a mistake)."""
     return ending.run(lambda: main(argv), logging.getLogger("eval.export"))
 
 

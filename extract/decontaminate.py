@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from core.config import ConfigError
 from extract.chat import sha256_json
 from extract.prompt_filters import EvalSet, FilterSettings
 from extract.records import Record, read_records
+from redraft.core.config import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ MAX_IDS = 50  # dropped ids the manifest lists
 
 def eval_prompts(specs: Sequence[str]) -> list[str]:
     """Every user turn of the evaluation inputs (built-in names such as mtbench, or files)."""
-    from catalog.builtin import resolve_data
+    from redraft.catalog.builtin import resolve_data
 
     if not specs:
         return []
@@ -48,7 +48,7 @@ def _same(a: Path, b: Path) -> bool:
 
 def refuse_contradiction(inputs: Mapping[str, Path], sources: Sequence[str]) -> None:
     """ConfigError when an input is one of the evaluation inputs: every one of its records would be dropped."""
-    from catalog.builtin import resolve_data
+    from redraft.catalog.builtin import resolve_data
 
     for source in sources:
         where = resolve_data(source)
@@ -61,7 +61,7 @@ def refuse_contradiction(inputs: Mapping[str, Path], sources: Sequence[str]) -> 
 
 def self_check_covers(cfg: Any) -> bool:
     """Whether the check of `--data self`'s prompts already did this one (same or more sources, threshold <=)."""
-    from catalog.builtin import resolve_data
+    from redraft.catalog.builtin import resolve_data
 
     mine = [resolve_data(s) for s in cfg.decontaminate]
     theirs = [resolve_data(s) for s in cfg.self_decontaminate]

@@ -1,6 +1,6 @@
 """Finds the parts of a loaded target model that extraction hooks: decoder stack, its layers, lm_head.
 
-Layer ``i`` of :func:`find_decoder_layers` is aux layer ``i`` of the convention in core.layers.
+Layer ``i`` of :func:`find_decoder_layers` is aux layer ``i`` of the convention in redraft.core.layers.
 """
 
 from __future__ import annotations

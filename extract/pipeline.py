@@ -3,7 +3,7 @@
 Work is cut into shards of consecutive input records, bounded in bytes and in records and decided
 before anything is captured (`extract.shard_plan`); rank r of W owns shards s ≡ r mod W. Each shard
 is computed from scratch in a fixed batch order and written as its samples arrive (each batch is
-encoded and spilled to disk at once, `core.dataset.writer.ShardWriter`), then assembled and renamed,
+encoded and spilled to disk at once, `redraft.core.dataset.writer.ShardWriter`), then assembled and renamed,
 so memory does not grow with the shard, a shard at its final name is complete, the files do not
 depend on the world size, and a killed run rerun with the same command produces the same bytes.
 """
@@ -24,30 +24,6 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from catalog.builtin import SELF_DATA, resolve_data, resolve_target
-from core.atomic import atomic_write_text
-from core.batching import pack_batches
-from core.config import ConfigError
-from core.dataset.format import (
-    SampleFeatures,
-    ShardInfo,
-    bytes_per_token,
-    dataset_header,
-    features_are_finite,
-    shard_relpath,
-)
-from core.dataset.liveness import trainer_check
-from core.dataset.window import (
-    HEADER_NAME,
-    StreamClosed,
-    is_consumed,
-    wait_for_room,
-    window_fit_problem,
-    write_seal,
-    write_window,
-)
-from core.dataset.writer import ShardWriter, finalize_dataset
-from core.target_weights import text_config
 from extract.backends.base import GenerationConfig, TargetBackend, TeacherSpec
 from extract.chat import (
     TokenizedSample,
@@ -85,6 +61,30 @@ from extract.run_state import (
 from extract.self_prompts import SelfPromptsResult, synthesise
 from extract.shard_plan import feature_widths, regenerated_bytes_bound, sample_bytes
 from extract.timing import StageClock, describe, span
+from redraft.catalog.builtin import SELF_DATA, resolve_data, resolve_target
+from redraft.core.atomic import atomic_write_text
+from redraft.core.batching import pack_batches
+from redraft.core.config import ConfigError
+from redraft.core.dataset.format import (
+    SampleFeatures,
+    ShardInfo,
+    bytes_per_token,
+    dataset_header,
+    features_are_finite,
+    shard_relpath,
+)
+from redraft.core.dataset.liveness import trainer_check
+from redraft.core.dataset.window import (
+    HEADER_NAME,
+    StreamClosed,
+    is_consumed,
+    wait_for_room,
+    window_fit_problem,
+    write_seal,
+    write_window,
+)
+from redraft.core.dataset.writer import ShardWriter, finalize_dataset
+from redraft.core.target_weights import text_config
 
 log = logging.getLogger(__name__)
 
@@ -669,8 +669,8 @@ def _accept_window(cfg: ExtractConfig, out: Path, plan: dict[str, Any]) -> None:
 
 def seal_landed_shards(out: Path, shards: Sequence[int]) -> None:
     """Seal the shards a killed run left complete but unsealed (killed between the rename and the seal)."""
-    from core.dataset.window import consumed_path, seal_path
-    from core.dataset.writer import read_shard_info
+    from redraft.core.dataset.window import consumed_path, seal_path
+    from redraft.core.dataset.writer import read_shard_info
 
     for s in shards:
         if not seal_path(out, s).exists() and not consumed_path(out, s).exists():

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from core.atomic import atomic_open
-from core.errors import UserError
+from redraft.core.atomic import atomic_open
+from redraft.core.errors import UserError
 
 logger = logging.getLogger(__name__)
 

@@ -3,9 +3,9 @@
 - ``hf`` (default): the capture backend's own ``generate``, ``--gen-batch-size`` prompts per call
   (transformers with ``--backend hf``; SGLang's engine with ``--backend sglang``).
 - ``vllm``: vLLM from the rendered prompt ids, every prompt of a turn at once (the engine schedules
-  them), through :mod:`core.engines.vllm` (in-process where ``vllm`` is installed, else the vLLM CPU venv).
+  them), through :mod:`redraft.engines.vllm` (in-process where ``vllm`` is installed, else the vLLM CPU venv).
 - ``server``: a running SGLang or vLLM server (``--regen-url``), ``--regen-concurrency`` requests in
-  flight, through :mod:`core.engines.server`.
+  flight, through :mod:`redraft.engines.server`.
 
 Each is token ids in, token ids out: the prompt ids are the chat template's render (what
 ``extract.generated`` captures on) and the reply is kept as the ids the engine returned, stop id
@@ -27,10 +27,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from core.errors import Failure
 from extract.backends.base import GenerationConfig, TargetBackend
 from extract.progress import advance
 from extract.timing import span
+from redraft.core.errors import Failure
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ def request_seed(seed: int, prompt: Sequence[int]) -> int:
 
 def token_requests(prompts: Sequence[Sequence[int]], budgets: Sequence[int], gen: GenerationConfig,
               stops: Sequence[int], seeds: Sequence[int] | None = None) -> list[Any]:
-    from core.engines.request import TokenRequest
+    from redraft.engines.request import TokenRequest
 
     if seeds is not None and len(seeds) != len(prompts):
         raise RegenError(f"{len(seeds)} seeds for {len(prompts)} prompts")
@@ -138,7 +138,7 @@ class VLLMRegenerator(Regenerator):
     def __init__(self, target_path: str | Path, *, dtype: str, max_model_len: int, kv_cache_bytes: int,
                  python: str | None = None, max_num_seqs: int | None = None,
                  gpu_memory_utilization: float | None = None) -> None:
-        from core.engines.vllm import EngineSettings
+        from redraft.engines.vllm import EngineSettings
 
         self.settings = EngineSettings(target=str(target_path), dtype=dtype, max_model_len=max_model_len,
                                        kv_cache_bytes=kv_cache_bytes, max_num_seqs=max_num_seqs,
@@ -149,7 +149,7 @@ class VLLMRegenerator(Regenerator):
     def start(self) -> Any:
         """The engine, started now if it is not yet (it loads the model: tens of seconds on a CPU)."""
         if self.engine is None:
-            from core.engines.vllm import VLLMEngine
+            from redraft.engines.vllm import VLLMEngine
 
             with span("load"):  # counted as the stage's load, not as regeneration
                 self.engine = VLLMEngine(self.settings, python=self.python, timeout_s=None,
@@ -181,7 +181,7 @@ class ServerRegenerator(Regenerator):
     name = "server"
 
     def __init__(self, url: str, *, concurrency: int, api: str = "auto") -> None:
-        from core.engines.server import ServerSettings, TokenServer
+        from redraft.engines.server import ServerSettings, TokenServer
 
         if not url:
             raise RegenError("--regen-backend server needs --regen-url (e.g. http://HOST:30000)")

@@ -18,13 +18,13 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from core.atomic import atomic_write_text
-from core.config import ConfigError
-from core.dataset.format import MANIFEST_NAME, shard_relpath
-from core.dataset.window import PLAN_NAME, is_consumed
-from core.dataset.writer import read_shard_info
 from extract.generated import ExactnessCounts
 from extract.shard_plan import cut_shards
+from redraft.core.atomic import atomic_write_text
+from redraft.core.config import ConfigError
+from redraft.core.dataset.format import MANIFEST_NAME, shard_relpath
+from redraft.core.dataset.window import PLAN_NAME, is_consumed
+from redraft.core.dataset.writer import read_shard_info
 
 log = logging.getLogger(__name__)
 

@@ -31,9 +31,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from catalog.builtin import SELF_DATA
-from core.atomic import atomic_write_text
-from core.config import ConfigError
 from extract.backends.base import GenerationConfig
 from extract.chat import chat_template_hash, sha256_json, stop_token_ids, tokenizer_hash, user_turn_prefix
 from extract.decontaminate import eval_prompts
@@ -41,6 +38,9 @@ from extract.progress import Heartbeat
 from extract.prompt_filters import DROP_REASONS, EvalSet, FilterSettings, PromptFilter
 from extract.records import Message, Record, write_records_jsonl
 from extract.regen_engines import Regenerator
+from redraft.catalog.builtin import SELF_DATA
+from redraft.core.atomic import atomic_write_text
+from redraft.core.config import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -27,10 +27,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from core import layers
-from core.config import ConfigError
-from core.target_weights import text_config
 from extract.records import Record
+from redraft.core import layers
+from redraft.core.config import ConfigError
+from redraft.core.target_weights import text_config
 
 log = logging.getLogger(__name__)
 

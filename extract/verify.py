@@ -19,10 +19,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
-from core import cli as ending
-from core import options
-from core.config import ConfigError
-from core.dataset.format import (
+from redraft.core import cli as ending
+from redraft.core import options
+from redraft.core.config import ConfigError
+from redraft.core.dataset.format import (
     COUNTS_NAME,
     MANIFEST_NAME,
     DatasetError,
@@ -32,10 +32,10 @@ from core.dataset.format import (
     resolve_inside,
     sha256_file,
 )
-from core.dataset.fp8 import dequantize_fp8
-from core.dataset.shard_record import recorded_sha256
-from core.dataset.writer import count_tokens, shard_loss_tokens
-from core.options import option
+from redraft.core.dataset.fp8 import dequantize_fp8
+from redraft.core.dataset.shard_record import recorded_sha256
+from redraft.core.dataset.writer import count_tokens, shard_loss_tokens
+from redraft.core.options import option
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ def verify_dataset(root: str | Path, deep: bool = False) -> list[str]:
     Checks every shard exists inside the root, matches its manifest sha256 and counts, and
     parses consistently; the manifest totals equal the sum of shards; token_counts has the
     right shape and total. A shard's sha256 is the one its writer recorded while the file keeps the
-    size and mtime it had then (``core.dataset.shard_record``), else the file is hashed. `deep` re-hashes
+    size and mtime it had then (``redraft.core.dataset.shard_record``), else the file is hashed. `deep` re-hashes
     every shard, checks every hidden/logprob value is finite and recomputes the token counts. Raises DatasetError when there is no readable manifest.
     """
     root = Path(root)
@@ -168,7 +168,7 @@ def verify_dataset(root: str | Path, deep: bool = False) -> list[str]:
 
 @dataclass(kw_only=True)
 class VerifyOptions:
-    """The options of python -m extract.verify (core.options)."""
+    """The options of python -m extract.verify (redraft.core.options)."""
 
     dir: str = option(help="dataset folder (the one holding manifest.json and shards/)", group="inputs",
                       positional=True, metavar="DIR")
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cli(argv: list[str] | None = None) -> int:
-    """The command line: ``main`` ended as core.cli ends every command (one line and exit 2 on a mistake)."""
+    """The command line: ``main`` ended as redraft.core.cli ends every command (one line and exit 2 on a mistake)."""
     return ending.run(lambda: main(argv), logging.getLogger("extract.verify"))
 
 

@@ -2,7 +2,7 @@
 
 ``redraft NAME ARGS...`` runs the module's own command line with ARGS, in this process: the same options, config
 keys, ``--help`` and exit codes as ``python -m MODULE ARGS...`` (0 done, 2 the user's input, 1 a failure; each
-module ends through ``core.cli.run``). The modules are imported only when their command runs, so ``redraft
+module ends through ``redraft.core.cli.run``). The modules are imported only when their command runs, so ``redraft
 --help`` is instant.
 """
 
@@ -36,13 +36,13 @@ COMMANDS: tuple[Command, ...] = (
     Command("loadcheck", "eval.verify_engine", "engines",
             "load an export with SGLang's and vLLM's own classes and loaders; say what landed"),
     Command("bench", "serve.bench", "serving", "base against speculative servers: tokens/s, TPOT, TTFT, acceptance"),
-    Command("tune", "pipeline.tune", "serving", "from a checkpoint and prompts to the speculative setting to serve"),
+    Command("tune", "redraft.pipeline.tune", "serving", "from a checkpoint and prompts to the speculative setting to serve"),
     Command("sweep", "serve.tune", "serving", "the settings sweep on an export, its traffic and its offline report"),
     Command("doctor", "serve.doctor", "serving",
             "why a live deployment does not pay, and the flags that fix it (with --target: also the offline walk "
             "over the server's own replies)"),
 )
-DOCTOR_WITH_WALK = "pipeline.doctor"
+DOCTOR_WITH_WALK = "redraft.pipeline.doctor"
 GROUPS = {"stages": "The stages (extract -> train -> eval/export)", "engines": "In a real engine",
           "serving": "Serving"}
 

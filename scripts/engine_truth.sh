@@ -15,7 +15,7 @@
 #               engine walk on the first ${ENGINE_TRUTH_SAMPLES:-24} samples whose stored answer the engine reproduces
 #               token for token (>= ${ENGINE_TRUTH_MIN_SAMPLES:-18} required); fails when tau differs by > 2% or a
 #               per-position rate by > 0.02
-#   4b. long    2 chats of ~1.6K and ~4.7K prompt tokens (catalog/long_chats.py, configs/engine-truth/long.yaml), replies
+#   4b. long    2 chats of ~1.6K and ~4.7K prompt tokens (redraft/catalog/long_chats.py, configs/engine-truth/long.yaml), replies
 #               by the target through vLLM: vLLM's counters vs the walk with the same tolerances, the walk's
 #               rounds past position 4,096 required (--require-bucket 4K-16K); a lane of its own ("long"), so CI
 #               runs it beside the others

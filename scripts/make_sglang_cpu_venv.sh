@@ -13,8 +13,8 @@
 #    nothing, and SGLang's CUDA-only requirements (flashinfer, sglang-kernel, nvidia-*, ...: GBs) stay out.
 #    The lock's header says how it was produced and what was left out.
 #  * torchvision 0.28.0 is the index's CUDA build; its compiled ops cannot load beside CPU torch, which
-#    core/engines/sglang_cpu/site/sitecustomize.py handles at import time. SGLang's `sgl_kernel` is not installed:
-#    redraft's pure-PyTorch stand-in (core/engines/sglang_cpu/site/sgl_kernel) is put on PYTHONPATH when redraft
+#    redraft/engines/sglang_cpu/site/sitecustomize.py handles at import time. SGLang's `sgl_kernel` is not installed:
+#    redraft's pure-PyTorch stand-in (redraft/engines/sglang_cpu/site/sgl_kernel) is put on PYTHONPATH when redraft
 #    starts the engine, and the smoke import below does the same.
 set -euo pipefail
 START=$(date +%s)
@@ -35,7 +35,7 @@ die() { echo "[make_sglang_cpu_venv $(( $(date +%s) - START ))s] ERROR: $*" >&2;
 grep -qx "$SGLANG" "$LOCK" || die "$LOCK does not pin $SGLANG"
 
 smoke() {  # what redraft's engine start needs, with the PYTHONPATH and env it will use; prints one line
-    SGLANG_USE_CPU_ENGINE=1 PYTHONPATH="$ROOT:$ROOT/core/engines/sglang_cpu/site" \
+    SGLANG_USE_CPU_ENGINE=1 PYTHONPATH="$ROOT:$ROOT/redraft/engines/sglang_cpu/site" \
         "$V/bin/python" -W ignore::UserWarning - "$SGLANG" "$TORCH_VERSION" <<'EOF'
 import sys
 import sglang, torch, torchvision, sgl_kernel  # noqa: F401,E401

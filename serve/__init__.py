@@ -4,5 +4,5 @@
 ``python -m serve.tune`` sweeps speculative settings on fresh servers and answers which to serve with. Its
 inputs are the upstream stages' files: a dataset (``python -m extract``), drafter exports (``python -m
 eval.export``) and an offline acceptance report (``python -m eval.acceptance --json``);
-``python -m pipeline.tune`` makes them and runs it in one command.
+``python -m redraft.pipeline.tune`` makes them and runs it in one command.
 """

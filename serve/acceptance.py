@@ -24,9 +24,9 @@ from typing import Any
 
 import aiohttp
 
-from core.engines.counters import aggregate
-from core.engines.vllm_driver import COUNTERS, PER_POS
-from core.errors import Failure
+from redraft.core.errors import Failure
+from redraft.engines.counters import aggregate
+from redraft.engines.vllm_driver import COUNTERS, PER_POS
 
 SGLANG_SPEC_DEFAULT_MAX_RUNNING = 48  # speculative_hook._handle_eagle_family when --max-running-requests is unset
 CAP_ADVICE = "SGLang's cap for speculative decoding"
@@ -215,7 +215,7 @@ class SpecDelta:
 
 
 def counters_delta(before: SpecCounters, after: SpecCounters) -> SpecDelta:
-    """after − before; τ and the per-position rates by ``core.engines.counters.aggregate`` (vLLM's definitions)."""
+    """after − before; τ and the per-position rates by ``redraft.engines.counters.aggregate`` (vLLM's definitions)."""
     if len(after.num_accepted_tokens_per_pos) < len(before.num_accepted_tokens_per_pos):
         raise MetricsError("the per-position counters shrank between two scrapes: was the server restarted?")
     k = len(after.num_accepted_tokens_per_pos)

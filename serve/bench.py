@@ -8,7 +8,7 @@ tokens/s, TPOT and TTFT at each concurrency, the acceptance length the server re
 and the server's own limits (SGLang caps speculative serving at 48 running requests unless told
 otherwise). All of it is read here and printed next to the base server's numbers.
 
-Engine (``--engine``; default: detected per server by ``core.engines.server.detect_server``, SGLang
+Engine (``--engine``; default: detected per server by ``redraft.engines.server.detect_server``, SGLang
 when ``/model_info`` answers, else vLLM when ``/v1/models`` does). Acceptance is the engine's own:
 
 - SGLang: per request from ``meta_info.spec_verify_ct``, so only its native API measures it;
@@ -46,11 +46,11 @@ from typing import Any
 
 import aiohttp
 
-from core import cli as ending
-from core import options
-from core.config import ConfigError
-from core.engines.server import ServerError, detect_server, get_json
-from core.options import option
+from redraft.core import cli as ending
+from redraft.core import options
+from redraft.core.config import ConfigError
+from redraft.core.options import option
+from redraft.engines.server import ServerError, detect_server, get_json
 from serve import acceptance as acc
 from serve.client import RequestSettings, Target, requests_for, run_level
 from serve.prompts import ServingError, encode_chat_prompts, load_prompts
@@ -254,7 +254,7 @@ async def run_benchmark(cfg: ServingConfig) -> dict[str, Any]:
 
 @dataclass(kw_only=True)
 class ServingOptions:
-    """The options of python -m serve.bench (core.options)."""
+    """The options of python -m serve.bench (redraft.core.options)."""
 
     base: str | None = option(None, "URL of the server (SGLang or vLLM) without speculative decoding, e.g. "
                                     "http://host:30000", group="servers")
@@ -359,7 +359,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def cli(argv: list[str] | None = None) -> int:
-    """The command line: ``main`` ended as core.cli ends every command (one line and exit 2 on a mistake)."""
+    """The command line: ``main`` ended as redraft.core.cli ends every command (one line and exit 2 on a mistake)."""
     return ending.run(lambda: main(argv), logging.getLogger("serve.bench"))
 
 

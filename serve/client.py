@@ -24,8 +24,8 @@ from typing import Any
 
 import aiohttp
 
-from core.engines.server import RETRYABLE_STATUS
-from core.engines.sglang_driver import spec_counters
+from redraft.engines.server import RETRYABLE_STATUS
+from redraft.engines.sglang_driver import spec_counters
 from serve.acceptance import sglang_request_acceptance
 from serve.report import RequestResult
 

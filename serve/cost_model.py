@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from core.errors import UserError
+from redraft.core.errors import UserError
 
 
 class ModelError(UserError):

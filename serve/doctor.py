@@ -8,7 +8,7 @@
    launch line and KV budget come along; vLLM ``/v1/models``, ``/version``, ``/metrics``): engine and version,
    target, speculative algorithm and steps, draft model, ``max_running_requests``, CUDA-graph batch limit, context.
 2. The drafter folder (``--drafter``, else the draft model path the server reports when it exists here): its layer
-   ids as *this engine version* reads them (``core.layers``), against the layers it was trained on (an
+   ids as *this engine version* reads them (``redraft.core.layers``), against the layers it was trained on (an
    ``eval.export`` folder records them); its context length against the server's.
 3. A bounded probe (``serve.bench``: a few prompts at each ``--concurrency``, the engine's own acceptance: SGLang's
    per-request counters, vLLM's ``/metrics`` differences); beside ``--base-url`` when given (tokens/s ratios
@@ -16,7 +16,7 @@
 4. The verdict (``serve.doctor_findings``): each finding with its evidence and the exact fix; with a base, the draft
    tokens per concurrency that the probe's own step costs predict fastest (``serve.cost_model.best_chain``). ``--offline-tau``
    (τ of ``python -m eval.acceptance`` over the same kind of traffic) separates a drafter served wrongly from one
-   that does not fit; ``python -m pipeline.doctor --target DIR`` computes it over the server's own replies.
+   that does not fit; ``python -m redraft.pipeline.doctor --target DIR`` computes it over the server's own replies.
 
 ``--evidence FILE``: the verdict on figures recorded elsewhere (what a probe gathers, as JSON: the engine, what the
 server reported, the drafter folder's facts, each server's levels; ``docs/results/doctor-writeup/evidence.json``
@@ -42,11 +42,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from core import cli as ending
-from core import options
-from core.atomic import atomic_write_text
-from core.config import ConfigError
-from core.options import option
+from redraft.core import cli as ending
+from redraft.core import options
+from redraft.core.atomic import atomic_write_text
+from redraft.core.config import ConfigError
+from redraft.core.options import option
 from serve import doctor_findings as rules
 from serve import report as serve_report
 from serve.bench import ServingConfig, run_benchmark
@@ -59,7 +59,7 @@ PROG = "python -m serve.doctor"
 
 @dataclass(kw_only=True)
 class DoctorOptions:
-    """The options of python -m serve.doctor (core.options)."""
+    """The options of python -m serve.doctor (redraft.core.options)."""
 
     url: str | None = option(None, "the speculative server to examine (SGLang or vLLM), e.g. http://host:30000",
                              group="server")

@@ -17,8 +17,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from core import layers
-from core.drafter.folder import read_record
+from redraft.core import layers
+from redraft.core.drafter.folder import read_record
 from serve import cost_model
 
 SGLANG_SPEC_CAP = 48  # arg_groups/speculative_hook.py (SGLang 0.5.23): max_running_requests when none is asked

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from core.errors import UserError
+from redraft.core.errors import UserError
 
 
 class ServingError(UserError):
@@ -48,7 +48,7 @@ def load_prompts(path: str | None, num: int) -> tuple[list[str], str]:
     OpenAI ``messages`` or ShareGPT ``conversations``; a ``.txt`` file holds one prompt per line.
     """
     if path is None:
-        from catalog.builtin import resolve_data
+        from redraft.catalog.builtin import resolve_data
 
         src = Path(resolve_data("mtbench"))
     else:

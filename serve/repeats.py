@@ -28,9 +28,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from core.engines.driver_protocol import EngineError
-from core.engines.vllm import EngineSettings, VLLMServer
-from core.errors import Failure
+from redraft.core.errors import Failure
+from redraft.engines.driver_protocol import EngineError
+from redraft.engines.vllm import EngineSettings, VLLMServer
 from serve.prompts import ServingError
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ class ServerOptions:
     def server(self, spec: ServerSpec, extra_env: dict[str, str] | None) -> Any:
         """The started server for ``spec`` (a context manager with ``url`` and ``load_seconds``)."""
         if self.engine == "sglang":
-            from core.engines.sglang import SGLangServer
+            from redraft.engines.sglang import SGLangServer
 
             return SGLangServer(self.sglang_kwargs(spec), python=self.engine_python, timeout_s=self.start_timeout,
                                 extra_env=extra_env)

@@ -26,8 +26,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from core.atomic import atomic_write_bytes
-from core.plotting import atomic_write_png, pyplot
+from redraft.core.atomic import atomic_write_bytes
+from redraft.core.plotting import atomic_write_png, pyplot
 
 if TYPE_CHECKING:
     from serve.acceptance import SpecDelta

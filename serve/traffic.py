@@ -2,8 +2,8 @@
 offline acceptance ``eval.acceptance`` reported on it.
 
 The dataset (``--data``) holds the prompts answered by the target itself, greedily (``python -m extract
---regenerate``; ``python -m pipeline.tune`` makes it from any prompts). The engine is sent exactly the dataset's
-token ids before each answer (chat template included, ``core.answers``) and the offline report (``--offline``,
+--regenerate``; ``python -m redraft.pipeline.tune`` makes it from any prompts). The engine is sent exactly the dataset's
+token ids before each answer (chat template included, ``redraft.core.answers``) and the offline report (``--offline``,
 ``python -m eval.acceptance --json`` on the same samples) scores the same answers, so the tau it predicts and the
 tau the engine counts are about the same tokens.
 """
@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from core.answers import AnswersError, build_requests
-from core.dataset.reader import DatasetReader
-from core.errors import UserError
+from redraft.core.answers import AnswersError, build_requests
+from redraft.core.dataset.reader import DatasetReader
+from redraft.core.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ def read_traffic(data: Path, max_samples: int = 0) -> Traffic:
     """The Traffic of a dataset: every sample (or the first max_samples), one request per answer."""
     if not (data / "manifest.json").is_file():
         raise TrafficError(f"--data {data}: no manifest.json (not a dataset written by python -m extract; "
-                           "python -m pipeline.tune makes one from prompts)")
+                           "python -m redraft.pipeline.tune makes one from prompts)")
     reader = DatasetReader(data)
     if not reader.has_topk:
         raise TrafficError(f"--data {data}: stores no top-k teacher (extract --teacher topk)")

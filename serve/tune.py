@@ -6,7 +6,7 @@
 The serving stage's inputs are the upstream stages' files: EXPORT, the drafter in one engine's layout
 (``python -m eval.export``; its ``redraft.json`` names the engine swept); TRAFFIC, prompts answered by the target
 (``python -m extract --regenerate``); OFFLINE, ``python -m eval.acceptance --json`` of the drafter on the same
-samples (``serve/traffic.py`` checks that). ``python -m pipeline.tune`` makes all three from a checkpoint and
+samples (``serve/traffic.py`` checks that). ``python -m redraft.pipeline.tune`` makes all three from a checkpoint and
 any prompts and then runs this, in one command. The engine is sent exactly the dataset's prompt ids.
 
 Stages, each logged:
@@ -47,16 +47,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from catalog.builtin import resolve_target
-from core import cli as ending
-from core import options
-from core.config import ConfigError
-from core.engines.driver_protocol import EngineError
-from core.engines.interpreters import engine_interpreter
-from core.engines.launch import ENGINES, export_engine
-from core.engines.sglang import installed_version
-from core.errors import UserError
-from core.options import option
+from redraft.catalog.builtin import resolve_target
+from redraft.core import cli as ending
+from redraft.core import options
+from redraft.core.config import ConfigError
+from redraft.core.errors import UserError
+from redraft.core.options import option
+from redraft.engines.driver_protocol import EngineError
+from redraft.engines.interpreters import engine_interpreter
+from redraft.engines.launch import ENGINES, export_engine
+from redraft.engines.sglang import installed_version
 from serve import cost_model
 from serve import doctor_findings as rules
 from serve.repeats import (
@@ -81,7 +81,7 @@ class TuneError(UserError):
 
 @dataclass(kw_only=True)
 class TuneOptions:
-    """The options of python -m serve.tune (core.options: --help, YAML keys and values)."""
+    """The options of python -m serve.tune (redraft.core.options: --help, YAML keys and values)."""
 
     drafter: str = option(help="the drafter as one engine's export (python -m eval.export): the engine swept is "
                                "the one its redraft.json names", group="inputs", positional=True, metavar="EXPORT")
@@ -149,7 +149,7 @@ def read_exports(cfg: TuneOptions) -> tuple[str, dict[str, str]]:
     engine = export_engine(Path(cfg.drafter))
     if engine is None:
         raise TuneError(f"EXPORT {cfg.drafter}: not an eval.export folder (no redraft.json naming its engine); "
-                        "export the checkpoint with python -m eval.export, or run python -m pipeline.tune")
+                        "export the checkpoint with python -m eval.export, or run python -m redraft.pipeline.tune")
     exports = {engine: str(cfg.drafter)}
     for folder in cfg.exports:
         other = export_engine(Path(folder))
@@ -371,7 +371,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def cli(argv: list[str] | None = None) -> int:
-    """The command line: ``main`` ended as core.cli ends every command (one line and exit 2 on a mistake)."""
+    """The command line: ``main`` ended as redraft.core.cli ends every command (one line and exit 2 on a mistake)."""
     return ending.run(lambda: main(argv), logging.getLogger("serve.tune"))
 
 

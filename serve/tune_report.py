@@ -13,8 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from core.atomic import atomic_write_text
-from core.plotting import atomic_write_png, pyplot
+from redraft.core.atomic import atomic_write_text
+from redraft.core.plotting import atomic_write_png, pyplot
 from serve import doctor_findings
 from serve.repeats import BASE, pool_server
 from serve.report import render_markdown_table as markdown_table
@@ -76,9 +76,9 @@ def recommendation(ans: dict[str, Any], target: str, drafters: dict[str, str], t
                    trust_remote_code: bool = False) -> dict[str, Any] | None:
     """The best setting at the lowest concurrency where one pays, served up to the highest concurrency at
     which that same setting still pays: the SGLang and vLLM launch lines with those limits, each engine pointed
-    at its own export (``drafters``: engine -> folder; the engines read aux layer ids differently, core.layers);
+    at its own export (``drafters``: engine -> folder; the engines read aux layer ids differently, redraft.core.layers);
     None for an engine without an export."""
-    from core.engines.launch import ENGINES, LaunchPlan, launch_command
+    from redraft.engines.launch import ENGINES, LaunchPlan, launch_command
 
     first = next((e for e in ans["per_concurrency"] if e["best"] is not None), None)
     if first is None:

@@ -37,7 +37,7 @@ EXTRACT=$!
 TRAIN=$!
 trap 'kill -TERM $EXTRACT $TRAIN 2>/dev/null || true' INT TERM
 # Each side stops by itself when the other is gone: extraction leaves its end state in $DATA (refused, failed,
-# stopped) and both keep a heartbeat there (core/dataset/liveness.py), so the trainer stops with extraction's reason
+# stopped) and both keep a heartbeat there (redraft/core/dataset/liveness.py), so the trainer stops with extraction's reason
 # after saving, and extraction stops when the trainer is gone. The job waits for both.
 estatus=0
 wait $EXTRACT || estatus=$?

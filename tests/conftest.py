@@ -78,7 +78,7 @@ def pytest_sessionstart(session):
         return
     log = ROOT / ".cache" / "prebuild-kimi-k25-mini.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    code = "from catalog.builtin import KIMI_MINI, resolve_target; print(resolve_target(KIMI_MINI))"
+    code = "from redraft.catalog.builtin import KIMI_MINI, resolve_target; print(resolve_target(KIMI_MINI))"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     with open(log, "wb") as out:
         _PREBUILD.append(subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=out,

@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from core.dataset.format import SampleFeatures, dataset_header
-from core.dataset.writer import finalize_dataset, write_shard
 from eval import simulate as sim
+from redraft.core.dataset.format import SampleFeatures, dataset_header
+from redraft.core.dataset.writer import finalize_dataset, write_shard
 
 
 def _chain_drafts(drafter, ids: torch.Tensor, aux: torch.Tensor, p: int, steps: int) -> list[int]:

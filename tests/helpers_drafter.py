@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from core.drafter.config import DrafterConfig
-from core.drafter.kinds import build_drafter
-from core.drafter.modeling import DrafterBase
-from core.drafter.vocab import build_vocab_mapping
+from redraft.core.drafter.config import DrafterConfig
+from redraft.core.drafter.kinds import build_drafter
+from redraft.core.drafter.modeling import DrafterBase
+from redraft.core.drafter.vocab import build_vocab_mapping
 
 # The serving key set, written out by hand (not derived from the code under test): what SGLang/SpecForge
 # drafter folders hold, without the embedding.

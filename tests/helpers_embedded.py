@@ -14,9 +14,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from catalog.builtin import CACHE_ENV, KIMI_MINI, resolve_target
-from core.engines import sglang as sglang_engine
-from core.engines.vllm import DEFAULT_VENV, MAKE_HINT
+from redraft.catalog.builtin import CACHE_ENV, KIMI_MINI, resolve_target
+from redraft.engines import sglang as sglang_engine
+from redraft.engines.vllm import DEFAULT_VENV, MAKE_HINT
 
 SMOLLM2 = "smollm2-135m-instruct"
 DRAFT_VOCAB = 32000
@@ -76,10 +76,10 @@ def smollm2_logit_lens_drafter(folder: Path) -> Path:
     import torch
     from safetensors.torch import load_file
 
-    from core.drafter.config import DrafterConfig
-    from core.drafter.folder import write_drafter_folder
-    from core.drafter.modeling import Eagle3Drafter
-    from core.drafter.vocab import build_vocab_mapping
+    from redraft.core.drafter.config import DrafterConfig
+    from redraft.core.drafter.folder import write_drafter_folder
+    from redraft.core.drafter.modeling import Eagle3Drafter
+    from redraft.core.drafter.vocab import build_vocab_mapping
 
     target = smollm2_dir()
     tw = load_file(str(target / "model.safetensors"))
@@ -210,7 +210,7 @@ def capture_sequences(tokenizer, turns: int = 12, random_ids: int = 700) -> list
     capture-equality tests feed every engine."""
     import torch
 
-    from catalog.builtin import mtbench_records
+    from redraft.catalog.builtin import mtbench_records
 
     seqs = []
     for rec in mtbench_records()[:turns]:

@@ -1,7 +1,7 @@
 """A local stand-in for an SGLang server (the engine needs a GPU), answering with SGLang's response schema.
 
 Endpoints, as SGLang 0.5.x serves them:
-- ``GET /model_info``: ``model_path`` (how ``core.engines.server.detect_server`` tells SGLang from vLLM).
+- ``GET /model_info``: ``model_path`` (how ``redraft.engines.server.detect_server`` tells SGLang from vLLM).
 - ``GET /server_info`` (or only the legacy ``/get_server_info``): server args at the top level
   (``speculative_*``, ``max_running_requests``, ``cuda_graph_max_bs``, ``context_length`` ...),
   ``internal_states`` (a list, one per DP rank, with ``avg_spec_accept_length``) and ``version``.

@@ -218,7 +218,7 @@ def kill_when(proc: subprocess.Popen, condition: Callable[[], bool], timeout: fl
 def dataset_files(root: Path) -> dict[str, bytes]:
     """The dataset's files by relative path: no locks, run bookkeeping (the writer's records, which hold
     mtimes), or hidden temp files."""
-    from core.dataset.shard_record import RECORD_SUFFIX
+    from redraft.core.dataset.shard_record import RECORD_SUFFIX
 
     out = {}
     for p in sorted(root.rglob("*")):
@@ -237,8 +237,8 @@ def partial_files_at_final_names(root: Path) -> list[str]:
     """Files at a final (non-hidden) name that do not parse: there must never be any."""
     from safetensors.torch import load_file
 
-    from core.dataset.format import DatasetError, read_shard_header
     from extract.verify import verify_dataset
+    from redraft.core.dataset.format import DatasetError, read_shard_header
 
     bad = []
     for p in sorted((root / "shards").glob("*.safetensors")) if (root / "shards").is_dir() else []:

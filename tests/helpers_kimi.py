@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers_paths import FIXTURES
 
-from catalog import kimi_mini as km
+from redraft.catalog import kimi_mini as km
 
 # Kimi-K2.5's published text_config, as data (tests/fixtures): every value the miniature keeps must be exactly this.
 KIMI_K25 = {k: v for k, v in json.loads((FIXTURES / "kimi_k25_text_config.json").read_text()).items()

@@ -9,8 +9,8 @@ from pathlib import Path
 from regen_exactness import recording_loader
 
 import extract.pipeline as pipeline
-from core.dataset.reader import DatasetReader
 from extract.config import ExtractConfig
+from redraft.core.dataset.reader import DatasetReader
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Builders for tiny random datasets written through core.dataset.writer (usable by any test)."""
+"""Builders for tiny random datasets written through redraft.core.dataset.writer (usable by any test)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from core.dataset.format import SampleFeatures, dataset_header
-from core.dataset.writer import finalize_dataset, write_shard
+from redraft.core.dataset.format import SampleFeatures, dataset_header
+from redraft.core.dataset.writer import finalize_dataset, write_shard
 
 
 def make_sample(

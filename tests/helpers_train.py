@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from core.dataset.format import SampleFeatures, dataset_header
-from core.dataset.writer import finalize_dataset, write_shard
+from redraft.core.dataset.format import SampleFeatures, dataset_header
+from redraft.core.dataset.writer import finalize_dataset, write_shard
 
 HIDDEN = 64  # tiny_llama_config's hidden size
 NUM_LAYERS = 6
@@ -27,7 +27,7 @@ TOPK = 4
 
 def make_target(path: Path) -> tuple[Path, int]:
     """Tiny Llama target folder (config.json, safetensors, tokenizer); returns (path, vocab size)."""
-    from catalog.tiny_models import make_tiny_llama
+    from redraft.catalog.tiny_models import make_tiny_llama
 
     make_tiny_llama(path, num_layers=NUM_LAYERS)
     vocab = int(json.loads((path / "config.json").read_text())["vocab_size"])

@@ -1,4 +1,4 @@
-"""What every pipeline.tune end-to-end test (serve.tune at its end) holds of its report, whichever engine ran the
+"""What every redraft.pipeline.tune end-to-end test (serve.tune at its end) holds of its report, whichever engine ran the
 sweep."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Every op of redraft's CPU stand-in for ``sgl_kernel`` against SGLang 0.5.23's own kernel of the same job.
 
-Run with the SGLang CPU venv's python, ``PYTHONPATH=<repo>:<repo>/core/engines/sglang_cpu/site`` (what
+Run with the SGLang CPU venv's python, ``PYTHONPATH=<repo>:<repo>/redraft/engines/sglang_cpu/site`` (what
 ``tests/engine/sglang/test_sglang_cpu_ops.py`` does). SGLang's Triton kernels run on CPU tensors under the Triton
 interpreter. The stand-in is reached the way SGLang's CPU path reaches it: ``SGLANG_USE_CPU_ENGINE=1`` makes
 SGLang's own ``*_func`` wrappers call it (and the two attention ops get the ``intel_amx`` backend's argument
@@ -8,7 +8,7 @@ lists), so names, argument order and keywords are checked too. SGLang's Triton k
 grid and arguments their non-CPU branch passes.
 
 The attention ops are also held to a plain reference written here from the math (float64, no code shared with
-``core/engines/sglang_cpu/ops/attention.py``); the greedy verification to a plain walk of the tree read from
+``redraft/engines/sglang_cpu/ops/attention.py``); the greedy verification to a plain walk of the tree read from
 the tree mask and positions (not from the retrieve links the kernels walk).
 
 Prints one JSON object on stdout: per op the cases run, mismatching cases (exact ops: any element differs;
@@ -113,7 +113,7 @@ def wiring() -> dict[str, bool]:
     from sglang.kernels.ops.speculative import cache_locs, eagle, spec_tree
     from sglang.srt.mem_cache import allocation
 
-    from core.engines.sglang_cpu import REDRAFT_STAND_IN
+    from redraft.engines.sglang_cpu import REDRAFT_STAND_IN
 
     bound = [  # (SGLang's module, the name it bound, the stand-in's export)
         (allocation, "assign_req_to_token_pool_cpu", "assign_req_to_token_pool_cpu"),

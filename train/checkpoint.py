@@ -1,4 +1,4 @@
-"""Training checkpoints: a drafter folder (core.drafter.folder) plus the full training state, written atomically.
+"""Training checkpoints: a drafter folder (redraft.core.drafter.folder) plus the full training state, written atomically.
 
 Layout of ``OUT/step-0000100/``::
 
@@ -42,9 +42,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from core.atomic import atomic_write_text
-from core.drafter.config import DrafterConfig
-from core.drafter.folder import (
+from redraft.core.atomic import atomic_write_text
+from redraft.core.drafter.config import DrafterConfig
+from redraft.core.drafter.folder import (
     LATEST,
     STEP_RE,
     CheckpointError,

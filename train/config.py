@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from core import options
-from core.config import ConfigError  # one error type for every stage
-from core.options import option
+from redraft.core import options
+from redraft.core.config import ConfigError  # one error type for every stage
+from redraft.core.options import option
 
 
 def _section(group: str) -> Any:
@@ -225,7 +225,7 @@ class TrainConfig:
 
     def _check_drafter_attention(self) -> None:
         """Sizes of the other attention kind are refused by key, before any process group or model exists."""
-        from core.drafter.config import MLA_FIELDS
+        from redraft.core.drafter.config import MLA_FIELDS
 
         if self.drafter_attention == "gqa":
             given = [name for name in MLA_FIELDS if getattr(self, name) is not None]
@@ -244,7 +244,7 @@ class TrainConfig:
 
     def _check_drafter_method(self) -> None:
         """A method with keys of another, or one no engine serves with this attention, is refused by key."""
-        from core.drafter.config import PARALLEL_ATTENTION
+        from redraft.core.drafter.config import PARALLEL_ATTENTION
 
         if self.mask_token_id is not None and self.drafter_method not in ("p-eagle", "dflash"):
             raise ConfigError(f"mask_token_id={self.mask_token_id} is a p-eagle/dflash setting but drafter_method is "
@@ -280,12 +280,12 @@ DESCRIPTION = ("Train an EAGLE-3 drafter on a redraft dataset. Options come from
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``--help`` of train/main.py, by section (core.options)."""
+    """The ``--help`` of train/main.py, by section (redraft.core.options)."""
     return options.build_parser(TrainConfig, prog=PROG, description=DESCRIPTION)
 
 
 def load_config(yaml_path: str | Path | None, overrides: list[str] | None = None) -> TrainConfig:
-    """YAML file (keys = field names) then flags; every value is type-checked and validated (core.options)."""
+    """YAML file (keys = field names) then flags; every value is type-checked and validated (redraft.core.options)."""
     argv = (["--config", str(yaml_path)] if yaml_path else []) + list(overrides or [])
     return options.parse(TrainConfig, argv, prog=PROG, description=DESCRIPTION)
 

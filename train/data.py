@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from core.batching import pack_sorted
+from redraft.core.batching import pack_sorted
 
 log = logging.getLogger(__name__)
 
@@ -182,9 +182,9 @@ class DistributedBucketSampler:
 
 
 def stored_loader(dataset: Dataset, batches: list[list[int]], num_workers: int, max_length: int) -> DataLoader:
-    """Batches of stored rows (``core.dataset.stored``), pinned when a GPU will take them, so the trainer's
+    """Batches of stored rows (``redraft.core.dataset.stored``), pinned when a GPU will take them, so the trainer's
     ``batch.to(device)`` copies without blocking and decodes on the device."""
-    from core.dataset.stored import collate_stored
+    from redraft.core.dataset.stored import collate_stored
 
     return DataLoader(dataset, batch_sampler=batches, num_workers=num_workers,
                       collate_fn=functools.partial(collate_stored, max_length=max_length),
@@ -201,7 +201,7 @@ class FeatureDataset(Dataset):
         return len(self.reader)
 
     def __getitem__(self, i: int) -> Any:
-        return self.reader.get_stored(int(i))  # decoded on the device (core.dataset.stored)
+        return self.reader.get_stored(int(i))  # decoded on the device (redraft.core.dataset.stored)
 
 
 # ----------------------------------------------------------------------------- the training data, built
@@ -212,7 +212,7 @@ class TrainData:
     """What the loop reads (the global order over a finished dataset): the dataset, its split, this rank's
     samplers and the run's length in steps. ``train.stream.StreamData`` offers the same methods."""
 
-    reader: Any  # core.dataset.reader.DatasetReader
+    reader: Any  # redraft.core.dataset.reader.DatasetReader
     teacher: str  # "topk" | "last_hidden", resolved from the config's "auto"
     train_idx: list[int]
     val_idx: list[int]
@@ -270,7 +270,7 @@ def resolve_teacher(cfg: Any, reader: Any) -> str:
 def build_data(cfg: Any, rank: int, world_size: int) -> TrainData:
     """The run's data over a finished dataset (``cfg``: a TrainConfig), in the global order; ``data_order:
     stream`` (``--stream``: as extraction lands the shards) is ``train.stream.build_stream``'s."""
-    from core.dataset.reader import DatasetReader
+    from redraft.core.dataset.reader import DatasetReader
 
     reader = DatasetReader(cfg.data).require_samples()
     teacher = resolve_teacher(cfg, reader)
@@ -278,7 +278,7 @@ def build_data(cfg: Any, rank: int, world_size: int) -> TrainData:
     try:
         train_idx, val_idx = split_by_id(reader.sample_ids, cfg.val_fraction, cfg.val_max_samples, cfg.seed)
     except ValueError as e:
-        from core.config import ConfigError
+        from redraft.core.config import ConfigError
 
         raise ConfigError(f"val_fraction={cfg.val_fraction}, val_max_samples={cfg.val_max_samples} on "
                           f"{len(reader)} samples: {e}") from None

@@ -29,7 +29,7 @@ FREE_ON_INIT = ("max_position_embeddings", "rope_theta")
 
 @dataclass
 class BuiltDrafter:
-    drafter: Any  # core.drafter.modeling.DrafterBase (core.drafter.kinds.build_drafter)
+    drafter: Any  # redraft.core.drafter.modeling.DrafterBase (redraft.core.drafter.kinds.build_drafter)
     target_path: Path
     lm_head_keys: list[str]  # where the target's output head is, for the last_hidden teacher
     warm_start: dict[str, Any] | None  # what --init-from did (recorded in every checkpoint)
@@ -37,8 +37,8 @@ class BuiltDrafter:
 
 def target_info(manifest: dict, target_path: Path) -> dict[str, Any]:
     """DrafterConfig.from_target's input: sizes from the manifest, heads/MLP/rope from the target config."""
-    from core.drafter.config import MLA_FIELDS
-    from core.target_weights import text_config
+    from redraft.core.drafter.config import MLA_FIELDS
+    from redraft.core.target_weights import text_config
 
     cfg_file = target_path / "config.json"
     if not cfg_file.is_file():
@@ -84,7 +84,7 @@ def check_init_fingerprint(init_from: Path, manifest: dict, data: str) -> None:
     the drafter's d2t mapping and everything it learnt would then be silently wrong. Foreign
     folders (no redraft.json) carry no fingerprint; only their shapes are checked.
     """
-    from core.drafter.folder import REDRAFT_RECORD, CheckpointError
+    from redraft.core.drafter.folder import REDRAFT_RECORD, CheckpointError
 
     path = init_from / REDRAFT_RECORD
     if not path.is_file():
@@ -105,8 +105,8 @@ def check_init_fingerprint(init_from: Path, manifest: dict, data: str) -> None:
 def drafter_config(cfg: TrainConfig, manifest: dict, target_path: Path) -> tuple[Any, Any]:
     """(the config this run trains, the --init-from state dict or None): from the target and the data, or from
     the warm-start drafter where its shapes agree with them."""
-    from core.drafter.config import MLA_FIELDS, DrafterConfig
-    from core.drafter.folder import load_drafter_checkpoint
+    from redraft.core.drafter.config import MLA_FIELDS, DrafterConfig
+    from redraft.core.drafter.folder import load_drafter_checkpoint
     from train.checkpoint import check_init_compatible
 
     overrides = {k: getattr(cfg, k) for k in (*OVERRIDABLE, *MLA_FIELDS) if getattr(cfg, k) is not None}
@@ -143,11 +143,11 @@ def drafter_config(cfg: TrainConfig, manifest: dict, target_path: Path) -> tuple
 
 def build_drafter(cfg: TrainConfig, reader: Any, resume_from: Path | None) -> BuiltDrafter:
     """The drafter with its weights: the checkpoint's when resuming, else warm-started or new (module doc)."""
-    from core.drafter.folder import WEIGHTS_NAME, read_record
-    from core.drafter.kinds import build_drafter as new_drafter
-    from core.drafter.serving_format import load_serving_weights
-    from core.drafter.vocab import build_vocab_mapping
-    from core.target_weights import weight_key_candidates
+    from redraft.core.drafter.folder import WEIGHTS_NAME, read_record
+    from redraft.core.drafter.kinds import build_drafter as new_drafter
+    from redraft.core.drafter.serving_format import load_serving_weights
+    from redraft.core.drafter.vocab import build_vocab_mapping
+    from redraft.core.target_weights import weight_key_candidates
     from train.warm_start import warm_start
 
     manifest = reader.manifest
@@ -173,6 +173,6 @@ def build_drafter(cfg: TrainConfig, reader: Any, resume_from: Path | None) -> Bu
 
 def read_lm_head(built: BuiltDrafter, device: torch.device) -> torch.Tensor:
     """The target's output head, for the last_hidden teacher (the trainer applies it)."""
-    from core.target_weights import read_target_tensor
+    from redraft.core.target_weights import read_target_tensor
 
     return read_target_tensor(built.target_path, built.lm_head_keys)[0].to(device)

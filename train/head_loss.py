@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from core.alignment import step_offset
+from redraft.core.alignment import step_offset
 
 # Default rows per chunk = CHUNK_ELEMENTS // Vd, at least MIN_CHUNK_ROWS: each [rows, Vd] fp32
 # temporary (logits, softmax, teacher rows) is then ~64 MB whatever the draft vocab.
@@ -216,7 +216,7 @@ def head_loss(
     """Loss and metrics of ``logits_k = normed[k] @ weight.T`` for TTT steps k = 0..K-1.
 
     ``normed[k]`` [B, T, H] is step k's normed hidden state; hidden row r (flat over B*T) is scored
-    against teacher row r + step_offset(k) = r + 1 + k (core.alignment). ``counted`` [K, B*T] bool:
+    against teacher row r + step_offset(k) = r + 1 + k (redraft.core.alignment). ``counted`` [K, B*T] bool:
     the rows in step k's metrics; ``in_loss`` [K, B*T] bool: those also in its loss (a subset).
     loss_k = sum of soft-CE over the loss rows / max(their number, 1); the total is sum_k decay^k
     loss_k. The gradient reaches ``weight`` and every ``normed[k]`` that requires one.

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from core import cli as ending
+from redraft.core import cli as ending
 from train.checkpoint import ResumePoint, output_lock, read_trainer_state
 from train.config import ConfigError, TrainConfig, parse_cli
 from train.data import SamplerState, TrainData
@@ -410,7 +410,7 @@ def check_data(cfg: TrainConfig) -> None:
     """A finished dataset's manifest exists and counts samples (a --stream folder may not exist yet)."""
     if cfg.stream:
         return
-    from core.dataset.format import MANIFEST_NAME, DatasetError, load_manifest
+    from redraft.core.dataset.format import MANIFEST_NAME, DatasetError, load_manifest
 
     manifest = load_manifest(Path(cfg.data))
     if not manifest.get("num_samples"):
@@ -421,7 +421,7 @@ def check_data(cfg: TrainConfig) -> None:
 def _train(cfg: TrainConfig) -> dict[str, Any]:
     from accelerate.utils import set_seed
 
-    from core.drafter.sequence_parallel import sequence_groups
+    from redraft.core.drafter.sequence_parallel import sequence_groups
     from train.data import build_data
     from train.drafter_setup import build_drafter, read_lm_head
     from train.stream import build_stream
@@ -461,7 +461,7 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
 
 
 def cli(argv: list[str] | None = None) -> int:
-    """The command line: ``main`` ended as core.cli ends every command (one line and exit 2 on a mistake)."""
+    """The command line: ``main`` ended as redraft.core.cli ends every command (one line and exit 2 on a mistake)."""
     # a bad option, dataset or checkpoint (a second trainer on OUT included): one line, exit 2
     return ending.run(lambda: main(argv), logging.getLogger("train"))
 

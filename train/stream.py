@@ -12,7 +12,7 @@ that does not fill a step dropped. So a run that streams and a run over the fini
 works as it does offline.
 
 Rank 0 looks at the folder and broadcasts what has landed, so every rank takes the same decisions. A shard is
-trained only when its seal checks (``core.dataset.window.landed_shard``). After each checkpoint, the groups
+trained only when its seal checks (``redraft.core.dataset.window.landed_shard``). After each checkpoint, the groups
 whose every micro-batch lies behind the saved position are consumed (deleted unless ``stream_keep``): a run
 killed after that never needs them again. When the trainer has to wait for a group with progress not yet
 saved, it saves first, so the window it waits on can drain.
@@ -30,10 +30,10 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
-from core.config import ConfigError
-from core.dataset.format import DatasetError, shard_relpath, teacher_kinds
-from core.dataset.liveness import TRAINER, Heartbeat, PeerGone, extraction_check, heartbeat_interval
-from core.dataset.window import (
+from redraft.core.config import ConfigError
+from redraft.core.dataset.format import DatasetError, shard_relpath, teacher_kinds
+from redraft.core.dataset.liveness import TRAINER, Heartbeat, PeerGone, extraction_check, heartbeat_interval
+from redraft.core.dataset.window import (
     HEADER_NAME,
     PLAN_NAME,
     WINDOW_NAME,
@@ -115,7 +115,7 @@ class StreamSource:
             self._heartbeat = Heartbeat(self.root, TRAINER, heartbeat_interval(timeout)).start()
             self._extraction = extraction_check(self.root, timeout)
         if not self.wait:  # a finished dataset: its manifest says everything (plan.json may not exist)
-            from core.dataset.format import load_manifest
+            from redraft.core.dataset.format import load_manifest
 
             manifest = load_manifest(self.root)
             totals = ("shards", "num_samples", "num_tokens", "num_loss_tokens")  # of the whole set, not a group's
@@ -216,7 +216,7 @@ class StreamSource:
             time.sleep(self.cfg.stream_poll_s)
 
     def _open(self, group: int, epoch: int) -> _Group:
-        from core.dataset.reader import DatasetReader
+        from redraft.core.dataset.reader import DatasetReader
 
         shards = self.shards_of(group)
         manifest = {**self.header, "shards": [{"path": shard_relpath(s)} for s in shards]}
@@ -314,7 +314,7 @@ class StreamSource:
     def close(self, step: int, finished: bool) -> None:
         """The run is over: tell an extraction waiting for room to stop (rank 0, --stream only)."""
         if self.rank == 0 and self.wait:
-            from core.dataset.window import close_stream
+            from redraft.core.dataset.window import close_stream
 
             close_stream(self.root, {"step": step, "stream_trained_to_its_end": finished})
             if self._heartbeat is not None:

@@ -35,7 +35,7 @@ Masking and normalisation (a DELIBERATE difference from SpecForge, which weights
 
 Efficiency: positions are batched (only the K steps loop in Python) and step k's attention is
 the causal [T, T] block plus k diagonal columns, in blocks of query rows that keep no [T, T]
-scores for the backward (core.drafter.ttt_attention). The draft lm_head, the soft-CE and the metrics
+scores for the backward (redraft.core.drafter.ttt_attention). The draft lm_head, the soft-CE and the metrics
 run in train.head_loss over all steps at once, in chunks of counted rows, with the gradients made
 in the forward (the loss weights are known there): no step's [B, T, Vd] logits or softmax is kept
 for the backward, and positions that predict no assistant token get no logits. Metrics stay on
@@ -51,12 +51,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from core.alignment import step_counted, step_rows
-from core.dataset.batch import Batch
-from core.drafter.modeling import DrafterBase
-from core.drafter.sequence_parallel import SequenceParallel
-from core.drafter.ttt_attention import TTTCache
-from core.teacher_targets import TeacherTargets, teacher_from_last_hidden, teacher_from_topk
+from redraft.core.alignment import step_counted, step_rows
+from redraft.core.dataset.batch import Batch
+from redraft.core.drafter.modeling import DrafterBase
+from redraft.core.drafter.sequence_parallel import SequenceParallel
+from redraft.core.drafter.ttt_attention import TTTCache
+from redraft.core.teacher_targets import TeacherTargets, teacher_from_last_hidden, teacher_from_topk
 from train.head_loss import HeadTargets, head_loss, soft_ce_rows
 
 
@@ -190,7 +190,7 @@ def ttt_forward(
     if width > stop - start:  # the halo rows: teacher rows only, never drafted from
         normed = [F.pad(x, (0, 0, 0, width - (stop - start))) for x in normed]
 
-    # Rows per step (core.alignment): position t counts iff token t+2+k is a real assistant token
+    # Rows per step (redraft.core.alignment): position t counts iff token t+2+k is a real assistant token
     # (so t < T-2-k); it is in the loss iff teacher row t+1+k's argmax is a draft token as well.
     count = torch.zeros((steps, bsz, width), dtype=torch.bool, device=device)
     in_loss = torch.zeros((steps, bsz, width), dtype=torch.bool, device=device)

@@ -1,6 +1,6 @@
 """Warm start (``--init-from``): load an old drafter into a new run, its draft vocabulary rebuilt or kept.
 
-The draft vocabulary is the N most frequent tokens of the training data (core.drafter.vocab). A
+The draft vocabulary is the N most frequent tokens of the training data (redraft.core.drafter.vocab). A
 drafter retrained on other data (another target's replies, a new domain) would keep a vocabulary
 fitted to the old data, so by default the warm start rebuilds it from the new data exactly as a
 scratch run does (same counts, same N) and moves the old lm_head rows it can reuse:
@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from core.drafter.folder import CheckpointError
-from core.drafter.modeling import Eagle3Drafter
-from core.drafter.vocab import build_vocab_mapping, check_vocab_mapping, shared_draft_rows
+from redraft.core.drafter.folder import CheckpointError
+from redraft.core.drafter.modeling import Eagle3Drafter
+from redraft.core.drafter.vocab import build_vocab_mapping, check_vocab_mapping, shared_draft_rows
 
 log = logging.getLogger(__name__)
 

@@ -12,5 +12,5 @@ every export through it. The pieces, one job each:
 - ``targets``: the target config vLLM needs (given, or synthesised from the draft).
 
 Nothing here imports ``core``: the check judges an export with code that does not share the exporter's
-tables (``core.drafter.serving_format``) or its assumptions.
+tables (``redraft.core.drafter.serving_format``) or its assumptions.
 """

@@ -34,13 +34,13 @@ from typing import Any
 
 import torch
 
-from core.engines.launch import vllm_speculative_config
 from eval.loadcheck.check import SetupError
 from eval.loadcheck.folder import DrafterFolder
 from eval.loadcheck.layout import stacked_shards
 from eval.loadcheck.probe import Shard, sentinel_fill, written_spans
 from eval.loadcheck.sglang_engine import free_port
 from eval.loadcheck.targets import target_config
+from redraft.engines.launch import vllm_speculative_config
 
 EMBED = "model.embed_tokens.weight"
 MASK_HIDDEN = "mask_hidden"  # P-EAGLE's learned state: a buffer of the top-level model in vLLM (llama_eagle3.py)

@@ -86,7 +86,7 @@ class TargetInfo:
     hidden_size: int
     num_layers: int
     vocab_size: int
-    aux_layer_ids: tuple[int, ...]  # redraft convention, see core.layers
+    aux_layer_ids: tuple[int, ...]  # redraft convention, see redraft.core.layers
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int

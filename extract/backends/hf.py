@@ -17,11 +17,11 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from core import layers
-from core.target_weights import text_config, weight_key_candidates
 from extract.backends.base import Captured, GenerationConfig, TargetBackend, TargetInfo, TeacherSpec
 from extract.model_layout import align_latent_norm_eps, find_decoder_layers, find_lm_head, find_text_model
 from extract.teacher import topk_per_sequence
+from redraft.core import layers
+from redraft.core.target_weights import text_config, weight_key_candidates
 
 log = logging.getLogger(__name__)
 

@@ -3,10 +3,10 @@
 Why SGLang at all: it serves the target with the same kernels, TP/EP sharding and capture point as
 production, so the features a drafter is trained on are the ones it will see when served.
 
-The engine runs through :mod:`core.engines.sglang` (a driver subprocess: this interpreter's SGLang on a GPU
+The engine runs through :mod:`redraft.engines.sglang` (a driver subprocess: this interpreter's SGLang on a GPU
 machine, else the SGLang CPU venv of ``make sglang-cpu-venv`` with redraft's stand-in for SGLang's CPU
 kernels); the driver writes each prompt's aux states and top-k prompt log-probabilities to a file
-(:mod:`core.engines.sglang_driver`: the request and the response parsing), which is read here, checked
+(:mod:`redraft.engines.sglang_driver`: the request and the response parsing), which is read here, checked
 against the prompt's ids and removed. Every engine argument was checked against the sglang 0.5.23 wheel (the
 pin of ``redraft[sglang]``); paths are relative to ``python/`` in sgl-project/sglang:
 
@@ -20,7 +20,7 @@ pin of ``redraft[sglang]``); paths are relative to ``python/`` in sgl-project/sg
 - Aux capture without a draft: ``sglang/srt/arg_groups/validation_hook.py::handle_aux_hidden_state_capture``
   (speculative_algorithm only names the convention and is reset to None; needs pp_size == 1), the layer-id
   range check ``model_runner_components/spec_aux_hidden_state.py::_check_capture_layer_ids_in_range`` and the
-  capture point ``models/llama.py`` / ``models/deepseek_v2.py::set_eagle3_layers_to_capture`` (``core.layers``).
+  capture point ``models/llama.py`` / ``models/deepseek_v2.py::set_eagle3_layers_to_capture`` (``redraft.core.layers``).
 - ``models/deepseek_v2.py`` reads ``moe_layer_freq`` from the target's config.json, which transformers 5 does not
   write: :func:`read_target_info` names it before the engine starts.
 """
@@ -36,10 +36,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from core import layers
-from core.target_weights import text_config
 from extract.backends.base import Captured, GenerationConfig, TargetBackend, TargetInfo, TeacherSpec
 from extract.timing import span
+from redraft.core import layers
+from redraft.core.target_weights import text_config
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def build_engine_kwargs(
 ) -> dict[str, Any]:
     """``sglang.Engine(**kwargs)`` arguments for capture-only aux extraction.
 
-    ``engine_layer_ids`` are already in SGLang's convention (``core.layers.to_engine_layer_ids``).
+    ``engine_layer_ids`` are already in SGLang's convention (``redraft.core.layers.to_engine_layer_ids``).
     """
     kwargs: dict[str, Any] = {
         "model_path": str(model_path),
@@ -275,7 +275,7 @@ def preflight(path: str | Path, *, aux_layer_ids: Sequence[int] | None = None, t
     """Everything refusable without starting the engine, before anything is written: the target's config (aux
     layers SGLang can capture, keys its model code reads), the engine's interpreter and SGLang version, and on
     the CPU stand-in the engine settings that would break capture (ValueError or EngineError naming them)."""
-    from core.engines.sglang import cpu_engine_kwargs, engine_runtime
+    from redraft.engines.sglang import cpu_engine_kwargs, engine_runtime
 
     info = read_target_info(path, aux_layer_ids=aux_layer_ids, trust_remote_code=trust_remote_code)
     folder = Path(info.path)
@@ -288,7 +288,7 @@ class SGLangTarget(TargetBackend):
     """A target served by ``sglang.Engine`` in a driver subprocess (its own scheduler processes, TP/EP on GPUs).
 
     max_total_tokens (engine_kwargs) bounds the KV pool; on the CPU stand-in it defaults to
-    :data:`core.engines.sglang.CPU_KV_TOKENS` (SGLang's own default takes most of the host's memory).
+    :data:`redraft.engines.sglang.CPU_KV_TOKENS` (SGLang's own default takes most of the host's memory).
     """
 
     def __init__(
@@ -309,7 +309,7 @@ class SGLangTarget(TargetBackend):
     ) -> None:
         from transformers import AutoTokenizer
 
-        from core.engines.sglang import SGLangEngine
+        from redraft.engines.sglang import SGLangEngine
 
         self.info = read_target_info(path, name=name, aux_layer_ids=aux_layer_ids, trust_remote_code=trust_remote_code)
         folder = Path(self.info.path)

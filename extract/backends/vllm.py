@@ -4,10 +4,10 @@ vLLM 0.32's ``extract_hidden_states`` speculative method keeps the residual stre
 in a cache-only KV layer, and a KV connector writes each finished request's prompt states to a safetensors
 file (``hidden_states`` [T, layers, H], ``token_ids`` [T]) whose path comes back in the request's
 ``kv_transfer_params``. The stock ``ExampleHiddenStatesConnector`` does that on GPUs; on a CPU redraft's own
-(``core/engines/vllm_plugins/redraft_capture_connector.py``) makes the same write synchronously. The engine
-runs through :mod:`core.engines.vllm` (in-process where vllm is installed, else the vLLM CPU venv).
+(``redraft/engines/vllm_plugins/redraft_capture_connector.py``) makes the same write synchronously. The engine
+runs through :mod:`redraft.engines.vllm` (in-process where vllm is installed, else the vLLM CPU venv).
 
-What is asked of the engine: the aux layers in vLLM's convention (``core.layers``) plus the end layer
+What is asked of the engine: the aux layers in vLLM's convention (``redraft.core.layers``) plus the end layer
 (engine id L: the last layer's output before the final norm). The teacher is computed here from that
 state with the target's final norm and lm_head, read from its weight files (fp32, in chunks): the
 same top-k rule as the HF backend (``extract.teacher``), or the post-norm state itself for ``last_hidden``.
@@ -40,13 +40,13 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from core import layers
-from core.drafter.modeling import RMSNorm
-from core.target_weights import final_norm_key_candidates, read_target_tensor
 from extract.backends.base import Captured, GenerationConfig, TargetBackend, TeacherSpec
 from extract.backends.sglang import read_target_info
 from extract.teacher import topk_per_sequence
 from extract.timing import span
+from redraft.core import layers
+from redraft.core.drafter.modeling import RMSNorm
+from redraft.core.target_weights import final_norm_key_candidates, read_target_tensor
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def read_capture_file(path: str | Path, expected_ids: Sequence[int], num_layers:
                       hidden_size: int) -> torch.Tensor:
     """The [T, layers, H] block of one capture file, after its writer released the ``.lock`` (the stock
     connector writes from a thread); refused unless its ``token_ids`` are the prompt's. Removes both files."""
-    from core.engines.vllm_driver import remove_capture, wait_for_capture
+    from redraft.engines.vllm_driver import remove_capture, wait_for_capture
 
     path = str(path)
     wait_for_capture(path)
@@ -114,7 +114,7 @@ class VLLMTarget(TargetBackend):
     ) -> None:
         from transformers import AutoTokenizer
 
-        from core.engines.vllm import EngineSettings, VLLMEngine
+        from redraft.engines.vllm import EngineSettings, VLLMEngine
 
         self.info = read_target_info(path, name=name, aux_layer_ids=aux_layer_ids, trust_remote_code=trust_remote_code)
         folder = Path(self.info.path)

@@ -30,11 +30,7 @@ from helpers_faults import (
     write_malformed_corpus,
 )
 
-import core.atomic as atomic
-from catalog.tiny_models import make_tiny_llama
-from core.dataset.format import MANIFEST_NAME, read_shard_header
-from core.dataset.reader import DatasetReader
-from core.dataset.shard_record import RECORD_SUFFIX
+import redraft.core.atomic as atomic
 from extract.__main__ import main as extract_main
 from extract.backends.hf import HFTarget
 from extract.config import parse_args
@@ -42,6 +38,10 @@ from extract.pipeline import run_extraction
 from extract.records import BadRecordError, read_records
 from extract.run_state import rank_lock
 from extract.verify import verify_dataset
+from redraft.catalog.tiny_models import make_tiny_llama
+from redraft.core.dataset.format import MANIFEST_NAME, read_shard_header
+from redraft.core.dataset.reader import DatasetReader
+from redraft.core.dataset.shard_record import RECORD_SUFFIX
 
 NUM_SAMPLES = 240
 PER_SHARD = 20  # 12 shards
@@ -147,7 +147,7 @@ def test_second_process_on_a_busy_rank_is_refused(world, tmp_path):
 
 
 class _FullDisk:
-    """An `open` for core.dataset.writer that fails with ENOSPC half way through the `fail_at`-th shard write."""
+    """An `open` for redraft.core.dataset.writer that fails with ENOSPC half way through the `fail_at`-th shard write."""
 
     def __init__(self, fail_at: int) -> None:
         self.fail_at, self.shards = fail_at, 0

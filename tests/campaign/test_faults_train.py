@@ -18,14 +18,14 @@ from helpers_faults import flip_byte, kill_when, poke, run, self_kill_cmd, start
 from helpers_train import base_args, make_dataset, make_target, run_main
 from safetensors.torch import load_file
 
-import core.atomic as atomic
-from catalog.tiny_models import make_tiny_llama
-from core.dataset.format import DatasetError
-from core.dataset.reader import DatasetReader
-from core.drafter.folder import CheckpointError
+import redraft.core.atomic as atomic
 from eval.acceptance import AcceptanceError
 from eval.acceptance import main as eval_main
 from extract.verify import verify_dataset
+from redraft.catalog.tiny_models import make_tiny_llama
+from redraft.core.dataset.format import DatasetError
+from redraft.core.dataset.reader import DatasetReader
+from redraft.core.drafter.folder import CheckpointError
 from train.checkpoint import find_resume_checkpoint
 
 

@@ -26,11 +26,11 @@ from helpers_paths import ROOT
 from helpers_train import base_args
 from safetensors.torch import load_file
 
-from catalog.tiny_models import make_tiny_llama
-from core.dataset.format import DatasetError, shard_relpath
-from core.dataset.window import folder_bytes, seal_path
 from extract.config import parse_args
 from extract.pipeline import run_extraction
+from redraft.catalog.tiny_models import make_tiny_llama
+from redraft.core.dataset.format import DatasetError, shard_relpath
+from redraft.core.dataset.window import folder_bytes, seal_path
 
 RECORDS, PER_SHARD = 960, 10  # 96 shards of ~340 KB
 KILLS = 20

@@ -28,9 +28,9 @@ import pytest
 from helpers_faults import disk_full_cmd, extract_args, extract_cmd, start, train_cmd, write_corpus
 from helpers_train import base_args
 
-from catalog.tiny_models import make_tiny_llama
-from core.dataset.liveness import END_DIR, HEARTBEAT_DIR, heartbeat_interval, read_ends
-from core.dataset.window import SEAL_SUFFIX
+from redraft.catalog.tiny_models import make_tiny_llama
+from redraft.core.dataset.liveness import END_DIR, HEARTBEAT_DIR, heartbeat_interval, read_ends
+from redraft.core.dataset.window import SEAL_SUFFIX
 
 RECORDS, PER_SHARD, GROUP = 100, 10, 2  # 10 shards; a group of 2 plus the shard being written: a window of 3
 BOUND = 6.0  # stream_peer_timeout of both sides, seconds

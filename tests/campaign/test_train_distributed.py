@@ -22,7 +22,7 @@ from helpers_paths import ROOT
 from helpers_train import base_args, make_dataset, make_target, read_metrics
 from safetensors.torch import load_file
 
-from core.dataset.reader import DatasetReader
+from redraft.core.dataset.reader import DatasetReader
 from train.data import DistributedBucketSampler, split_by_id
 
 

@@ -20,8 +20,8 @@ import torch
 from helpers_kimi import EOT, TEST_PROMPTS, greedy
 from helpers_paths import ROOT
 
-from catalog import kimi_mini as km
-from catalog.builtin import KIMI_MINI, cache_dir
+from redraft.catalog import kimi_mini as km
+from redraft.catalog.builtin import KIMI_MINI, cache_dir
 
 pytestmark = pytest.mark.uses_kimi_mini  # run after the tier's other files (tests/conftest.py)
 
@@ -93,7 +93,7 @@ def test_greedy_replies_are_text_that_ends_the_turn(model, saved_tokenizer):
 def test_greedy_replies_differ_from_prompt_to_prompt(model, saved_tokenizer):
     """Prompts it never saw (MT-bench first turns) get different replies, not the mode of its data: a
     drafter trained on its answers then has something to learn, and the engine truth lane something to count."""
-    from catalog.builtin import mtbench_records
+    from redraft.catalog.builtin import mtbench_records
 
     prompts = [r["turns"][0] for r in mtbench_records()[:12]]
     texts = [saved_tokenizer.decode(greedy(model, saved_tokenizer, p, 32)[1]) for p in prompts]
@@ -124,8 +124,8 @@ def extracted(kimi, tmp_path_factory) -> dict[str, Path]:
 
 
 def test_extraction_runs_on_the_builtin_name(extracted, kimi):
-    from core.dataset.reader import DatasetReader
     from extract.verify import verify_dataset
+    from redraft.core.dataset.reader import DatasetReader
 
     out = extracted["plain"]
     assert verify_dataset(out) == []
@@ -133,7 +133,7 @@ def test_extraction_runs_on_the_builtin_name(extracted, kimi):
     target = manifest["target"]
     assert target["architecture"] == "DeepseekV3ForCausalLM" and target["num_layers"] == 4
     assert target["hidden_size"] == 256 and target["vocab_size"] == 163840
-    assert target["aux_layer_ids"] == [0, 1, 2]  # SGLang never captures the last layer (core.layers)
+    assert target["aux_layer_ids"] == [0, 1, 2]  # SGLang never captures the last layer (redraft.core.layers)
     reader = DatasetReader(out)
     assert len(reader) == 4
     s = reader.get(0)
@@ -143,7 +143,7 @@ def test_extraction_runs_on_the_builtin_name(extracted, kimi):
 def test_wrapped_variant_is_kimi_k25s_layout_with_the_same_features(extracted, kimi):
     from safetensors import safe_open
 
-    from core.dataset.reader import DatasetReader
+    from redraft.core.dataset.reader import DatasetReader
 
     folder = extracted["wrapped_folder"]
     cfg = json.loads((folder / "config.json").read_text())
@@ -174,7 +174,7 @@ def test_bfloat16_variant_is_cast_from_the_float32_build(kimi):
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    from catalog.builtin import resolve_target
+    from redraft.catalog.builtin import resolve_target
 
     folder = resolve_target(KIMI_MINI, dtype="bfloat16")
     assert folder.name == f"{kimi.name}-bfloat16"

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import json
 
-from core.dataset.format import MANIFEST_NAME
-from core.dataset.reader import DatasetReader
 from extract.__main__ import main as extract_main
 from extract.config import parse_args
 from extract.pipeline import run_extraction
 from extract.prompt_filters import EvalSet, FilterSettings
 from extract.records import read_records
 from extract.self_prompts import SELF_DIR, SELF_NAME, eval_prompts
+from redraft.core.dataset.format import MANIFEST_NAME
+from redraft.core.dataset.reader import DatasetReader
 
 
 def test_smollm2_writes_answers_and_captures_its_own_prompts(tmp_path, monkeypatch):

@@ -9,8 +9,8 @@ import sys
 
 from helpers_paths import ROOT
 
-from core.dataset.reader import DatasetReader
 from extract.verify import verify_dataset
+from redraft.core.dataset.reader import DatasetReader
 
 
 def test_slurm_script_extracts_the_embedded_default(tmp_path):

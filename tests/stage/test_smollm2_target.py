@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import catalog.builtin as emb
-from catalog.builtin import resolve_target
+import redraft.catalog.builtin as emb
+from redraft.catalog.builtin import resolve_target
 
 SMOLLM2 = "smollm2-135m-instruct"
 

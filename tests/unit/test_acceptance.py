@@ -11,12 +11,12 @@ from helpers_acceptance import make_case, write_case_dataset, write_target
 from helpers_drafter import tiny_drafter
 from safetensors.torch import save_file
 
-from core.dataset.reader import DatasetReader
-from core.drafter.folder import write_drafter_folder
-from core.drafter.serving_format import serving_config
 from eval import acceptance as acc
 from eval import evaluation_inputs as inputs
 from eval import simulate as sim
+from redraft.core.dataset.reader import DatasetReader
+from redraft.core.drafter.folder import write_drafter_folder
+from redraft.core.drafter.serving_format import serving_config
 
 STEPS = 3
 LENGTHS = [24, 18, 16, 12, 20, 10]

@@ -1,11 +1,11 @@
-"""core.alignment against the rule written out by explicit indexing (no shifts)."""
+"""redraft.core.alignment against the rule written out by explicit indexing (no shifts)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from core.alignment import shift_left, step_counted, step_offset, step_rows
+from redraft.core.alignment import shift_left, step_counted, step_offset, step_rows
 
 T = 9
 

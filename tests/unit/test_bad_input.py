@@ -16,14 +16,14 @@ import pytest
 from helpers_drafter import tiny_drafter
 from helpers_store import make_dataset
 
-from catalog.tiny_models import make_tiny_llama
-from core.drafter.folder import write_drafter_folder
+from redraft.catalog.tiny_models import make_tiny_llama
+from redraft.core.drafter.folder import write_drafter_folder
 
 MODULES = {"extract": "extract.__main__", "train": "train.main", "acceptance": "eval.acceptance",
            "export": "eval.export", "online": "eval.online", "engine_truth": "eval.engine_truth",
-           "serving": "serve.bench", "tune": "serve.tune", "pipeline_tune": "pipeline.tune",
+           "serving": "serve.bench", "tune": "serve.tune", "pipeline_tune": "redraft.pipeline.tune",
            "verify_engine": "eval.verify_engine", "doctor": "serve.doctor",
-           "pipeline_doctor": "pipeline.doctor",
+           "pipeline_doctor": "redraft.pipeline.doctor",
            "verify": "extract.verify"}
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from catalog.tiny_tokenizers import CHAT_KINDS, build_chat_tokenizer
 from extract.chat import (
     _tokenize_by_segments,
     assistant_char_spans,
@@ -16,6 +15,7 @@ from extract.chat import (
     tokenizer_hash,
 )
 from extract.records import Message
+from redraft.catalog.tiny_tokenizers import CHAT_KINDS, build_chat_tokenizer
 
 EOT = {
     "chatml": "<|im_end|>",

@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from core.config import hyphenate_flags
-from core.options import parse
+from redraft.core.config import hyphenate_flags
+from redraft.core.options import parse
 
 PARSERS = {
     "python -m extract": "extract.config",
@@ -20,7 +20,7 @@ PARSERS = {
     "python -m serve.bench": "serve.bench",
     "python -m eval.verify_engine": "eval.verify_engine",
     "python -m serve.tune": "serve.tune",
-    "python -m pipeline.tune": "pipeline.tune",
+    "python -m redraft.pipeline.tune": "redraft.pipeline.tune",
 }
 
 
@@ -65,7 +65,7 @@ def test_underscore_spelling_is_accepted_everywhere(tmp_path):
 
 
 def test_extract_list_options_take_commas(tmp_path):
-    """--aux-layer-ids 1,14,29 (pipeline.tune passes a drafter's layers that way); a config file's YAML list too."""
+    """--aux-layer-ids 1,14,29 (redraft.pipeline.tune passes a drafter's layers that way); a config file's YAML list too."""
     from extract.config import parse_args
 
     base = ["--target", "m", "--data", "d.jsonl", "--out", "o"]

@@ -19,15 +19,15 @@ from safetensors.torch import save_file
 from conformance import check_engines as ce
 from conformance import check_specforge as cs
 from conformance.make_drafters import KIMI, kimi_state
-from core.drafter.config import DrafterConfig
-from core.drafter.folder import write_drafter_folder
-from core.drafter.modeling import Eagle3Drafter
-from core.drafter.serving_format import check_serving_state, serving_config
-from core.drafter.vocab import build_vocab_mapping
-from core.teacher_targets import teacher_from_topk
 from eval import verify_engine as ve
 from eval.export import ExportConfig, export_checkpoint
 from eval.export import main as export_main
+from redraft.core.drafter.config import DrafterConfig
+from redraft.core.drafter.folder import write_drafter_folder
+from redraft.core.drafter.modeling import Eagle3Drafter
+from redraft.core.drafter.serving_format import check_serving_state, serving_config
+from redraft.core.drafter.vocab import build_vocab_mapping
+from redraft.core.teacher_targets import teacher_from_topk
 from train.ttt import ttt_forward
 
 ENGINE_OUTPUT = """\

@@ -327,7 +327,7 @@ def test_check_foreign_needs_the_small_mla_drafter(tmp_path):
 
 def test_the_warm_start_drafter_means_the_demo_layers_to_our_importer():
     """llama-smollm stands for an SGLang-layout drafter of SmolLM2: its config ids must read as the demo's."""
-    from core.drafter.serving_format import drafter_config_from_serving
+    from redraft.core.drafter.serving_format import drafter_config_from_serving
 
     cfg = drafter_config_from_serving(fd.PRESETS["llama-smollm"].config(), target_architecture="LlamaForCausalLM",
                                       target_num_layers=30)

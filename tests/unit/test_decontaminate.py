@@ -9,16 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from catalog.builtin import mtbench_records, resolve_data
-from catalog.tiny_models import make_tiny_llama
-from core.config import ConfigError
-from core.dataset.format import MANIFEST_NAME
-from core.dataset.reader import DatasetReader
 from extract.__main__ import main as extract_main
 from extract.config import ExtractConfig, build_parser
 from extract.decontaminate import Decontamination, self_check_covers
 from extract.pipeline import run_extraction
 from extract.records import read_records
+from redraft.catalog.builtin import mtbench_records, resolve_data
+from redraft.catalog.tiny_models import make_tiny_llama
+from redraft.core.config import ConfigError
+from redraft.core.dataset.format import MANIFEST_NAME
+from redraft.core.dataset.reader import DatasetReader
 
 WORDS = "the cat sat on a mat and then it ran far away to see the sun rise over hills".split()
 UNRELATED = [f"u{i}" for i in range(5)]

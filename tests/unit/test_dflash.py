@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 from helpers_drafter import random_batch, tiny_config, tiny_drafter
 
-from core.drafter.folder import load_drafter_checkpoint, write_drafter_folder
-from core.drafter.serving_format import (
+from eval.simulate import simulate_chain_greedy, simulate_chain_sampled, simulate_tree
+from redraft.core.drafter.folder import load_drafter_checkpoint, write_drafter_folder
+from redraft.core.drafter.serving_format import (
     ServingFormatError,
     check_serving_state,
     drafter_config_from_serving,
@@ -28,9 +29,8 @@ from core.drafter.serving_format import (
     served_method,
     serving_config,
 )
-from core.engines.launch import vllm_speculative_config
-from core.teacher_targets import TeacherTargets
-from eval.simulate import simulate_chain_greedy, simulate_chain_sampled, simulate_tree
+from redraft.core.teacher_targets import TeacherTargets
+from redraft.engines.launch import vllm_speculative_config
 from train.ttt import ttt_forward
 
 torch.set_num_threads(1)

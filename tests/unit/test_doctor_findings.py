@@ -1,7 +1,7 @@
 """serve.doctor's rules, each on the facts it reads; the engines' own behaviour they encode is written out here by hand
 from the engines' source (SGLang 0.5.23 ``models/deepseek_v2.py`` set_eagle3_layers_to_capture: ``+1`` to every id
 only when the first is 1; 0.5.10: ``+1`` to every id; ``arg_groups/speculative_hook.py``: 48 running requests when
-none is asked), not derived from core.layers."""
+none is asked), not derived from redraft.core.layers."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from core import layers
+from redraft.core import layers
 from serve import doctor_findings as rules
 
 KIMI = "KimiK25ForConditionalGeneration"
@@ -127,7 +127,7 @@ def test_the_draft_plan_per_concurrency_from_the_probes_own_costs():
 
 
 def _walked(engine_tau: float, walk_tau: float, others: list[dict]) -> dict:
-    from pipeline.doctor import judge
+    from redraft.pipeline.doctor import judge
 
     result = {"running": {"speculative_num_steps": 3}, "findings": others, "healthy": not others,
               "probe": {"levels": [{"concurrency": 1, "accept_length": engine_tau},
@@ -137,7 +137,7 @@ def _walked(engine_tau: float, walk_tau: float, others: list[dict]) -> dict:
 
 
 def test_the_offline_walk_decides_between_served_wrongly_and_does_not_fit():
-    """pipeline.doctor's verdict: the engine far below the walk is a deployment fault; both low is the drafter;
+    """redraft.pipeline.doctor's verdict: the engine far below the walk is a deployment fault; both low is the drafter;
     both high is healthy. The probe's own acceptance finding is replaced, every other finding kept."""
     cap = {"code": "sglang-cap-48", "title": "t", "evidence": "e", "fix": "f"}
     low = {"code": "drafter-does-not-fit", "title": "t", "evidence": "e", "fix": "f"}

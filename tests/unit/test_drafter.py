@@ -9,9 +9,9 @@ import torch
 from helpers_drafter import SERVING_KEYS, tiny_config, tiny_drafter
 from safetensors.torch import save_file
 
-from core.drafter.config import DrafterConfig
-from core.drafter.modeling import Eagle3Drafter, RMSNorm
-from core.drafter.ttt_attention import TTTCache
+from redraft.core.drafter.config import DrafterConfig
+from redraft.core.drafter.modeling import Eagle3Drafter, RMSNorm
+from redraft.core.drafter.ttt_attention import TTTCache
 
 torch.set_num_threads(1)
 
@@ -277,7 +277,7 @@ def test_draft_to_target_and_vocab_checks():
 def test_custom_ttt_attention_backward_is_exact(block_rows):
     """The hand-written backward of the TTT attention matches autograd (gradcheck) and the sdpa path,
     with the query rows in one block or in several."""
-    from core.drafter.ttt_attention import TTTCache, _eager_attention, _sdpa_attention
+    from redraft.core.drafter.ttt_attention import TTTCache, _eager_attention, _sdpa_attention
 
     torch.manual_seed(0)
     mask = torch.ones(2, 5, dtype=torch.long)
@@ -309,7 +309,7 @@ def test_flex_ttt_attention_forward_equals_eager(groups, hv):
     with the TTT block mask: step 0 causal over real keys, every later step its diagonal. On a CPU FlexAttention
     has no backward, so its gradients are held equal on a GPU (benchmarks/gpu_check.py) and training with it
     here is refused."""
-    from core.drafter.ttt_attention import TTTCache, _eager_attention, _flex_attention
+    from redraft.core.drafter.ttt_attention import TTTCache, _eager_attention, _flex_attention
 
     torch.manual_seed(2)
     bsz, nkv, seq, hd = 2, 2, 40, 8
@@ -331,7 +331,7 @@ def test_flex_ttt_attention_forward_equals_eager(groups, hv):
 def test_eager_ttt_attention_keeps_no_score_matrix():
     """Blocked over query rows, the eager kernel saves nothing of [T, T] size per head for the backward
     (the old kernel kept every step's probabilities: K x heads x T^2)."""
-    from core.drafter.ttt_attention import TTTCache, _eager_attention
+    from redraft.core.drafter.ttt_attention import TTTCache, _eager_attention
 
     torch.manual_seed(1)
     bsz, nkv, groups, seq, hd = 1, 2, 2, 64, 8

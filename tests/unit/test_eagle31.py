@@ -16,15 +16,15 @@ import pytest
 import torch
 from helpers_drafter import MLA_SERVING_KEYS, SERVING_KEYS, tiny_drafter
 
-from core.drafter.config import DrafterConfig
-from core.drafter.modeling import Eagle3Drafter
-from core.drafter.serving_format import (
+from redraft.core.drafter.config import DrafterConfig
+from redraft.core.drafter.modeling import Eagle3Drafter
+from redraft.core.drafter.serving_format import (
     ServingFormatError,
     check_serving_state,
     drafter_config_from_serving,
     serving_config,
 )
-from core.drafter.ttt_attention import TTTCache
+from redraft.core.drafter.ttt_attention import TTTCache
 
 torch.set_num_threads(1)
 
@@ -107,7 +107,7 @@ def test_a_folder_that_mixes_the_two_rules_is_refused_by_key():
 
 
 def test_warm_start_across_methods_is_refused_by_key():
-    from core.drafter.folder import CheckpointError
+    from redraft.core.drafter.folder import CheckpointError
     from train.checkpoint import check_init_compatible
 
     new = tiny_drafter(method="eagle3.1").config

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-import catalog.builtin as emb
-from catalog import packaged
-from catalog.builtin import BUILTIN_DATASETS, BUILTIN_TARGETS, cache_dir, resolve_data, resolve_target
+import redraft.catalog.builtin as emb
+from redraft.catalog import packaged
+from redraft.catalog.builtin import BUILTIN_DATASETS, BUILTIN_TARGETS, cache_dir, resolve_data, resolve_target
 
 SMOLLM2 = "smollm2-135m-instruct"
 MTBENCH_CATEGORIES = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}

@@ -7,9 +7,9 @@ import torch
 from helpers_acceptance import _chain_drafts, make_case
 from helpers_drafter import tiny_drafter
 
-from core import answers
 from eval import engine_walk as ew
 from eval import simulate as sim
+from redraft.core import answers
 
 STEPS = 3
 

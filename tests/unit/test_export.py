@@ -11,18 +11,18 @@ import torch
 from helpers_drafter import SERVING_KEYS, tiny_config, tiny_drafter
 from safetensors.torch import load_file, save_file
 
-from core.drafter.config import DrafterConfig
-from core.drafter.folder import CheckpointError, load_drafter_checkpoint, write_drafter_folder
-from core.drafter.modeling import Eagle3Drafter
-from core.drafter.serving_format import (
+from eval.export import ExportConfig, ExportError, export_checkpoint, main
+from redraft.core.drafter.config import DrafterConfig
+from redraft.core.drafter.folder import CheckpointError, load_drafter_checkpoint, write_drafter_folder
+from redraft.core.drafter.modeling import Eagle3Drafter
+from redraft.core.drafter.serving_format import (
     ServingFormatError,
     check_serving_state,
     drafter_config_from_serving,
     expected_tensors,
     serving_config,
 )
-from core.engines.launch import CAP_NOTE, LaunchError, LaunchPlan, sglang_command
-from eval.export import ExportConfig, ExportError, export_checkpoint, main
+from redraft.engines.launch import CAP_NOTE, LaunchError, LaunchPlan, sglang_command
 
 torch.set_num_threads(1)
 
@@ -404,7 +404,7 @@ def test_round_trip_is_exact(tmp_path, fmt, arch):
     b.embed_tokens.load_state_dict(a.embed_tokens.state_dict())
     ids = torch.randint(0, cfg.vocab_size, (1, 5))
     aux = torch.randn(1, 5, 3 * cfg.target_hidden_size)
-    from core.drafter.ttt_attention import TTTCache
+    from redraft.core.drafter.ttt_attention import TTTCache
 
     with torch.no_grad():
         pos = torch.arange(5)[None]

@@ -6,8 +6,8 @@ import json
 
 from helpers_faults import extract_args
 
-from catalog.tiny_models import make_tiny_llama
 from extract.__main__ import main as extract_main
+from redraft.catalog.tiny_models import make_tiny_llama
 
 
 def test_prompt_only_records_without_regenerate_are_refused_by_reason(tmp_path, caplog):

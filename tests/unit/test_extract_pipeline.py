@@ -10,12 +10,6 @@ import pytest
 import torch
 from helpers_paths import ROOT
 
-from catalog.tiny_models import make_tiny_llama
-from core.batching import pack_batches
-from core.config import ConfigError
-from core.dataset.format import MANIFEST_NAME
-from core.dataset.reader import DatasetReader
-from core.dataset.shard_record import RECORD_SUFFIX
 from extract.__main__ import main as extract_main
 from extract.backends.base import TeacherSpec
 from extract.backends.hf import HFTarget
@@ -24,6 +18,12 @@ from extract.config import ExtractConfig, build_parser, load_yaml, parse_args
 from extract.pipeline import run_extraction
 from extract.records import read_records
 from extract.verify import verify_dataset
+from redraft.catalog.tiny_models import make_tiny_llama
+from redraft.core.batching import pack_batches
+from redraft.core.config import ConfigError
+from redraft.core.dataset.format import MANIFEST_NAME
+from redraft.core.dataset.reader import DatasetReader
+from redraft.core.dataset.shard_record import RECORD_SUFFIX
 
 WORDS = "the cat sat on a mat and then it ran far away to see the sun rise over hills".split()
 
@@ -108,7 +108,7 @@ def test_manifest_and_features_match_the_target(reference_run, tiny_target, chat
 
 
 def test_rerun_after_interruption_is_byte_identical(reference_run, tiny_target, chat_file, tmp_path, monkeypatch):
-    from core.dataset.writer import ShardWriter
+    from redraft.core.dataset.writer import ShardWriter
 
     out = tmp_path / "ds"
     real_finish = ShardWriter.finish

@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from benchmarks import extract_throughput
-from catalog.tiny_models import make_tiny_llama
+from redraft.catalog.tiny_models import make_tiny_llama
 
 
 def test_json_is_consistent(tmp_path, capsys):
@@ -19,7 +19,7 @@ def test_json_is_consistent(tmp_path, capsys):
         {"from": "human", "value": "tell me about the cat " * (1 + i % 4)},
         {"from": "gpt", "value": "the cat sat on a mat and ran far " * (1 + i % 3)}]}) + "\n" for i in range(8)))
     out, md = tmp_path / "r.json", tmp_path / "r.md"
-    levels = {name: logging.getLogger(name).level for name in ("extract", "core")}
+    levels = {name: logging.getLogger(name).level for name in ("extract", "redraft")}
     assert extract_throughput.main([
         "--target", str(target), "--data", str(data), "--samples", "6", "--repeats", "2", "--batch-tokens", "256",
         "--topk", "8", "--regenerate", "hf", "--regen-samples", "3", "--max-new-tokens", "4", "--sizes-samples", "3",

@@ -18,11 +18,11 @@ from helpers_paths import ROOT
 from helpers_store import make_dataset as make_store_dataset
 from helpers_train import base_args, make_dataset, make_target, run_main
 
-from core.config import ConfigError as ExtractConfigError
-from core.dataset.format import DatasetError
-from core.dataset.reader import DatasetReader
 from extract.config import ExtractConfig, load_yaml
 from extract.verify import verify_dataset
+from redraft.core.config import ConfigError as ExtractConfigError
+from redraft.core.dataset.format import DatasetError
+from redraft.core.dataset.reader import DatasetReader
 from train.config import ConfigError as TrainConfigError
 from train.config import load_config
 

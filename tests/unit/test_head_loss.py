@@ -12,9 +12,9 @@ import pytest
 import torch
 from helpers_drafter import tiny_drafter
 
-from core.alignment import shift_left
-from core.drafter.ttt_attention import TTTCache
-from core.teacher_targets import TeacherTargets
+from redraft.core.alignment import shift_left
+from redraft.core.drafter.ttt_attention import TTTCache
+from redraft.core.teacher_targets import TeacherTargets
 from train.ttt import ttt_forward
 
 torch.set_num_threads(1)

@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from catalog.tiny_models import make_tiny_deepseek_v3, make_tiny_llama, make_wrapped_model
-from core import layers
 from extract.backends.base import GenerationConfig, TeacherSpec
 from extract.backends.hf import HFTarget, resolve_weight_keys, weight_file_keys
+from redraft.catalog.tiny_models import make_tiny_deepseek_v3, make_tiny_llama, make_wrapped_model
+from redraft.core import layers
 
 KINDS = TeacherSpec(kinds=("topk", "last_hidden"), topk=6, chunk_tokens=5)
 BATCH = [[5, 17, 30, 41, 52, 63, 74, 85, 96], [7, 8, 9, 200, 201], [100, 33, 12, 250, 3, 4, 60]]
@@ -89,7 +89,7 @@ def test_a_long_sample_captured_in_chunks_equals_one_pass(targets, key):
 
 def test_the_last_layer_is_refused_and_the_teacher_state_is_post_norm(targets):
     """Id L-1 cannot be an aux layer (SGLang captures the input of layer i + 1, and the last layer has no next
-    one: core.layers); the last_hidden teacher is the last layer's output after the final norm, HF's
+    one: redraft.core.layers); the last_hidden teacher is the last layer's output after the final norm, HF's
     hidden_states[L]."""
     base = targets["llama"]
     last = base.info.num_layers - 1

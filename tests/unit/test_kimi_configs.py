@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from helpers_paths import ROOT
 
-from core.layers import default_aux_layer_ids, to_engine_layer_ids
-from core.target_weights import weight_key_candidates
 from extract.config import load_yaml
+from redraft.core.layers import default_aux_layer_ids, to_engine_layer_ids
+from redraft.core.target_weights import weight_key_candidates
 from train.config import load_config
 
 KIMI = ROOT / "configs" / "kimi-k25"
@@ -67,7 +67,7 @@ def test_unknown_key_in_an_eval_config_is_refused(tmp_path):
     import pytest
 
     import eval.export as export
-    from core.config import ConfigError
+    from redraft.core.config import ConfigError
 
     bad = tmp_path / "export.yaml"
     bad.write_text("format: sglang\nspeculative_steps: 3\n")
@@ -78,9 +78,9 @@ def test_unknown_key_in_an_eval_config_is_refused(tmp_path):
 def test_kimi_configs_hold_thinking_conversations():
     """Kimi-K2.5's thinking conversations run 8K-64K tokens: the configs keep 32K of them whole, end to end."""
     import eval.acceptance as acceptance
-    from core.dataset.format import bytes_per_token
     from extract.config import parse_args
     from extract.shard_plan import sample_bytes
+    from redraft.core.dataset.format import bytes_per_token
 
     extracts = [parse_args(["--config", str(KIMI / name)], validate=False) for name in ("extract.yaml",
                                                                                         "extract-vllm.yaml")]

@@ -10,8 +10,8 @@ import pytest
 from helpers_kimi import DEVIATED, EOT, KIMI_K25, KIMI_SPECIALS
 from helpers_paths import ROOT
 
-from catalog import kimi_mini as km
-from catalog.builtin import BUILTIN_TARGETS, KIMI_MINI
+from redraft.catalog import kimi_mini as km
+from redraft.catalog.builtin import BUILTIN_TARGETS, KIMI_MINI
 
 
 def test_kept_values_are_kimi_k25s_and_only_sizes_shrink():
@@ -38,7 +38,7 @@ def test_kept_values_are_kimi_k25s_and_only_sizes_shrink():
 
 
 def test_name_is_a_builtin_with_a_recipe_keyed_folder(monkeypatch, tmp_path):
-    import catalog.builtin as emb
+    import redraft.catalog.builtin as emb
 
     assert KIMI_MINI == "kimi-k25-mini" and KIMI_MINI in BUILTIN_TARGETS
     digest = km.recipe_digest()
@@ -100,6 +100,6 @@ def test_chat_template_renders_kimi_k25_thinking_turns(tokenizer):
 
 
 def test_test_helper_template_is_the_products():
-    from catalog.tiny_tokenizers import KIMI_K25_TEMPLATE
+    from redraft.catalog.tiny_tokenizers import KIMI_K25_TEMPLATE
 
     assert KIMI_K25_TEMPLATE is km.CHAT_TEMPLATE

@@ -1,6 +1,13 @@
-"""The stages meet only in core's and catalog's code and in files (design.md): core imports no stage, no stage
-imports another, and no stage launches another as a process (``python -m STAGE``, ``runpy``, ``train/main.py``);
-``pipeline`` is the one place that runs stages one after another."""
+"""The house's floors (docs/design.md): each room imports only its own floor's code below it, no stage imports
+another, and no stage launches another as a process (``python -m STAGE``, ``runpy``, ``train/main.py``);
+``redraft.pipeline`` is the one place that runs stages one after another, ``redraft.cli`` the one that names them
+all.
+
+    floor 3   redraft.pipeline, redraft.cli          (run the stages: as processes, or by name)
+    floor 2   extract, train, eval, serve            (the stages: never each other)
+    floor 1   redraft.engines, redraft.catalog       (engines; built-in targets and data)
+    floor 0   redraft.core                           (the two contracts and the math every floor shares)
+"""
 
 from __future__ import annotations
 
@@ -11,22 +18,33 @@ import pytest
 from helpers_paths import ROOT
 
 STAGES = ("extract", "train", "eval", "serve")
-LIBRARIES = ("core", "catalog")
-PACKAGES = (*LIBRARIES, *STAGES, "pipeline")
-ALLOWED = {"core": {"core"}, "catalog": {"core", "catalog"},
-           **{stage: {"core", "catalog", stage} for stage in STAGES},
-           "pipeline": {"core", "catalog", "pipeline", "serve"}}  # pipeline reads serve.tune's option list
-LAUNCHES = {package: {package, *LIBRARIES} for package in PACKAGES} | {"pipeline": set(PACKAGES)}
+BELOW_STAGES = {"redraft.core", "redraft.engines", "redraft.catalog"}
+ALLOWED = {"redraft.core": {"redraft.core"},
+           "redraft.engines": {"redraft.core", "redraft.engines"},
+           "redraft.catalog": {"redraft.core", "redraft.catalog"},
+           **{stage: BELOW_STAGES | {stage} for stage in STAGES},
+           # pipeline reads serve.tune's option list; the command imports the stages by name when one runs
+           "redraft.pipeline": BELOW_STAGES | {"redraft.pipeline", "serve"},
+           "redraft.cli": {"redraft.cli"}}
+ROOMS = tuple(ALLOWED)
+LAUNCHES = {room: {room, *BELOW_STAGES} for room in ROOMS} | {"redraft.pipeline": set(ROOMS)}
 
 
-def _imported_packages(tree: ast.AST) -> set[str]:
-    found: set[str] = set()
+def room_of(module: str) -> str | None:
+    """The room a dotted module name is in (``redraft.engines.vllm`` -> ``redraft.engines``), None outside."""
+    parts = module.split(".")
+    name = ".".join(parts[:2]) if parts[0] == "redraft" else parts[0]
+    return name if name in ALLOWED else None
+
+
+def _imported_rooms(tree: ast.AST) -> set[str]:
+    found: set[str | None] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            found |= {alias.name.split(".")[0] for alias in node.names}
+            found |= {room_of(alias.name) for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found.add(node.module.split(".")[0])
-    return found & set(PACKAGES)
+            found.add(room_of(node.module))
+    return {r for r in found if r}
 
 
 def launched_modules(tree: ast.AST) -> set[str]:
@@ -44,28 +62,34 @@ def launched_modules(tree: ast.AST) -> set[str]:
     return found
 
 
-def _files(package: str) -> list[Path]:
-    return sorted((ROOT / package).rglob("*.py"))
+def _files(room: str) -> list[Path]:
+    path = ROOT / room.replace(".", "/")
+    return sorted(path.rglob("*.py")) if path.is_dir() else [path.with_suffix(".py")]
 
 
-@pytest.mark.parametrize("package", PACKAGES)
-def test_imports_point_one_way(package):
-    wrong = {str(p.relative_to(ROOT)): sorted(_imported_packages(ast.parse(p.read_text())) - ALLOWED[package])
-             for p in _files(package)}
-    assert not {k: v for k, v in wrong.items() if v}, f"{package} imports another stage"
+def test_every_module_is_in_a_room():
+    outside = [str(p.relative_to(ROOT)) for top in ("redraft", *STAGES) for p in (ROOT / top).rglob("*.py")
+               if room_of(".".join(p.relative_to(ROOT).with_suffix("").parts)) is None
+               and p.relative_to(ROOT).parts[1:] not in (("__init__.py",), ("__main__.py",))]
+    assert not outside
 
 
-@pytest.mark.parametrize("package", PACKAGES)
-def test_no_stage_launches_another(package):
+@pytest.mark.parametrize("room", ROOMS)
+def test_imports_point_down(room):
+    wrong = {str(p.relative_to(ROOT)): sorted(_imported_rooms(ast.parse(p.read_text())) - ALLOWED[room])
+             for p in _files(room)}
+    assert not {k: v for k, v in wrong.items() if v}, f"{room} imports a room on its floor or above"
+
+
+@pytest.mark.parametrize("room", ROOMS)
+def test_no_stage_launches_another(room):
     wrong = {}
-    for p in _files(package):
-        rel = str(p.relative_to(ROOT))
+    for p in _files(room):
         launched = launched_modules(ast.parse(p.read_text()))
-        others = sorted(m for m in launched if m.split(".")[0] in PACKAGES
-                        and m.split(".")[0] not in LAUNCHES[package])
+        others = sorted(m for m in launched if room_of(m) and room_of(m) not in LAUNCHES[room])
         if others:
-            wrong[rel] = others
-    assert not wrong, f"{package} launches another stage's module: {wrong}"
+            wrong[str(p.relative_to(ROOT))] = others
+    assert not wrong, f"{room} launches another stage's module: {wrong}"
 
 
 def test_the_launch_finder_sees_every_way_of_launching():

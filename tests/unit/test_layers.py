@@ -6,15 +6,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration
 
-from catalog.tiny_models import (
+from extract import model_layout
+from redraft.catalog.tiny_models import (
     TinyVLMConfig,
     TinyVLMForConditionalGeneration,
     tiny_deepseek_v3_config,
     tiny_llama_config,
 )
-from core import layers
-from core.target_weights import text_config, weight_key_candidates
-from extract import model_layout
+from redraft.core import layers
+from redraft.core.target_weights import text_config, weight_key_candidates
 
 KIMI = "KimiK25ForConditionalGeneration"
 

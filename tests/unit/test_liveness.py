@@ -1,4 +1,4 @@
-"""core.dataset.liveness: extraction's end state, the heartbeats, and the watcher's own clock (issue 44).
+"""redraft.core.dataset.liveness: extraction's end state, the heartbeats, and the watcher's own clock (issue 44).
 
 The processes themselves are tests/campaign/test_stream_peers.py; here the rules, with a clock the test moves.
 """
@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from core.dataset import liveness as lv
+from redraft.core.dataset import liveness as lv
 
 
 class Clock:

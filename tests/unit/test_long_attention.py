@@ -15,9 +15,9 @@ from helpers_drafter import TINY_MLA, tiny_drafter
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-import core.drafter.dflash as dflash
-import core.drafter.ttt_attention as ttt_attention
-from core.teacher_targets import TeacherTargets
+import redraft.core.drafter.dflash as dflash
+import redraft.core.drafter.ttt_attention as ttt_attention
+from redraft.core.teacher_targets import TeacherTargets
 from train.ttt import ttt_forward
 
 torch.set_num_threads(1)

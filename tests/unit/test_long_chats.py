@@ -1,10 +1,10 @@
-"""catalog.long_chats: long single-turn chats made of whole transcripts, lengths spread up to a maximum."""
+"""redraft.catalog.long_chats: long single-turn chats made of whole transcripts, lengths spread up to a maximum."""
 
 from __future__ import annotations
 
 import pytest
 
-from catalog import long_chats
+from redraft.catalog import long_chats
 
 
 def _records(n: int) -> list[dict]:

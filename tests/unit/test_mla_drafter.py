@@ -10,17 +10,17 @@ import pytest
 import torch
 from helpers_drafter import MLA_SERVING_KEYS, tiny_config, tiny_drafter, tiny_mla_config
 
-from core.drafter.config import DrafterConfig
-from core.drafter.modeling import Eagle3Drafter, MLAAttention
-from core.drafter.rope import rope_tables, yarn_mscale
-from core.drafter.serving_format import (
+from redraft.core.drafter.config import DrafterConfig
+from redraft.core.drafter.modeling import Eagle3Drafter, MLAAttention
+from redraft.core.drafter.rope import rope_tables, yarn_mscale
+from redraft.core.drafter.serving_format import (
     ServingFormatError,
     check_serving_state,
     drafter_config_from_serving,
     expected_tensors,
     serving_config,
 )
-from core.drafter.ttt_attention import TTTCache, _eager_attention, _sdpa_attention, ttt_attention
+from redraft.core.drafter.ttt_attention import TTTCache, _eager_attention, _sdpa_attention, ttt_attention
 
 torch.set_num_threads(1)
 

@@ -19,12 +19,12 @@ from helpers_acceptance import make_case, write_case_dataset, write_target
 from helpers_drafter import tiny_drafter
 from helpers_paths import ROOT
 
-from core import answers
-from core.dataset.reader import DatasetReader
-from core.drafter.folder import write_drafter_folder
-from core.engines import vllm as vllm_engine
 from eval import engine_truth as et
 from eval import online
+from redraft.core import answers
+from redraft.core.dataset.reader import DatasetReader
+from redraft.core.drafter.folder import write_drafter_folder
+from redraft.engines import vllm as vllm_engine
 
 STEPS = 3
 
@@ -146,7 +146,7 @@ def test_engine_env_preloads_intel_openmp(tmp_path):
 
 
 def test_measure_through_the_driver(world, monkeypatch):
-    """eval.online -> export -> core/engines/vllm_driver.py in a subprocess -> counters differenced per request."""
+    """eval.online -> export -> redraft/engines/vllm_driver.py in a subprocess -> counters differenced per request."""
     reader = DatasetReader(world["data"])
     settings = online.OnlineSettings(steps=STEPS, speed_samples=2, engine_python=sys.executable,
                                      extra_env={"PYTHONPATH": str(world["fake"])})
@@ -265,7 +265,7 @@ def test_cli_help(capsys):
 
 
 def test_driver_usage_error():
-    driver = [sys.executable, "-m", "core.engines.vllm_driver"]
+    driver = [sys.executable, "-m", "redraft.engines.vllm_driver"]
     proc = subprocess.run([*driver, "job.json"], capture_output=True, text=True, check=False, cwd=ROOT)
     assert proc.returncode == 2 and "usage" in proc.stderr
     proc = subprocess.run(driver, input="", capture_output=True, text=True, check=False, cwd=ROOT)

@@ -1,4 +1,4 @@
-"""core.options: one dataclass is a command's --help, YAML keys and values; mistakes are one ConfigError line."""
+"""redraft.core.options: one dataclass is a command's --help, YAML keys and values; mistakes are one ConfigError line."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from core.config import ByteSize, ConfigError
-from core.options import build_parser, option, parse
+from redraft.core.config import ByteSize, ConfigError
+from redraft.core.options import build_parser, option, parse
 
 
 @dataclass(kw_only=True)  # required options may follow optional ones
@@ -81,7 +81,7 @@ def test_help_is_grouped_in_declaration_order():
 
 
 def test_to_argv_is_read_back_as_the_same_options():
-    from core.options import to_argv
+    from redraft.core.options import to_argv
 
     o = _parse(["C", "--out", "O", "--data", "a,b", "--width", "8", "--betas", "0.8,0.9", "--engine", "sglang",
                 "--engine-args", '{"x": 1}', "--window", "2MiB", "--stream"])

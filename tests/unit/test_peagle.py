@@ -18,7 +18,8 @@ import pytest
 import torch
 from helpers_drafter import SERVING_KEYS, random_batch, tiny_config, tiny_drafter
 
-from core.drafter.serving_format import (
+from eval.simulate import simulate_chain_greedy, simulate_tree
+from redraft.core.drafter.serving_format import (
     ServingFormatError,
     check_serving_state,
     drafter_config_from_serving,
@@ -26,9 +27,8 @@ from core.drafter.serving_format import (
     served_method,
     serving_config,
 )
-from core.engines.launch import LaunchPlan, vllm_command, vllm_speculative_config
-from core.teacher_targets import TeacherTargets
-from eval.simulate import simulate_chain_greedy, simulate_tree
+from redraft.core.teacher_targets import TeacherTargets
+from redraft.engines.launch import LaunchPlan, vllm_command, vllm_speculative_config
 from train.ttt import ttt_forward
 
 torch.set_num_threads(1)

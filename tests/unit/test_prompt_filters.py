@@ -6,7 +6,6 @@ import random
 
 import pytest
 
-from catalog.builtin import chitchat_records
 from extract.prompt_filters import (
     EvalSet,
     FilterSettings,
@@ -17,6 +16,7 @@ from extract.prompt_filters import (
     ngrams,
 )
 from extract.self_prompts import eval_prompts
+from redraft.catalog.builtin import chitchat_records
 
 SETTINGS = FilterSettings()
 

@@ -56,8 +56,8 @@ def _options(help_text: str) -> set[str]:
 def test_the_doctor_with_a_target_also_walks_the_replies():
     doctor = next(c for c in COMMANDS if c.name == "doctor")
     assert module_for(doctor, ["--url", "http://x"]) == "serve.doctor"
-    assert module_for(doctor, ["--url", "http://x", "--target", "t"]) == "pipeline.doctor"
-    assert module_for(doctor, ["--target=t"]) == "pipeline.doctor"
+    assert module_for(doctor, ["--url", "http://x", "--target", "t"]) == "redraft.pipeline.doctor"
+    assert module_for(doctor, ["--target=t"]) == "redraft.pipeline.doctor"
 
 
 def test_a_users_mistake_is_one_line_and_exit_2(tmp_path):

@@ -19,16 +19,16 @@ from regen_exactness import recording_regenerators
 from transformers import AutoTokenizer
 
 import extract.pipeline as pipeline
-from catalog.tiny_models import make_tiny_llama
-from core.config import ConfigError
-from core.engines.request import TokenRequest
-from core.engines.server import ServerError, ServerSettings, TokenServer, sglang_request
-from core.engines.vllm import free_port
 from extract.backends.base import GenerationConfig
 from extract.chat import encode_prompt, stop_token_ids
 from extract.config import ExtractConfig, parse_args
 from extract.records import read_records
 from extract.regen_engines import RegenError, checked_outputs, request_seed
+from redraft.catalog.tiny_models import make_tiny_llama
+from redraft.core.config import ConfigError
+from redraft.engines.request import TokenRequest
+from redraft.engines.server import ServerError, ServerSettings, TokenServer, sglang_request
+from redraft.engines.vllm import free_port
 
 # SGLang 0.5.23's /generate schema refuses sampling keys outside this set (sglang/api/v1/api_types.py).
 SGLANG_SAMPLING_KEYS = {

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from benchmarks import regen_throughput
-from catalog.tiny_models import make_tiny_llama
+from redraft.catalog.tiny_models import make_tiny_llama
 
 
 def test_table_and_json(tmp_path, capsys):

@@ -20,14 +20,14 @@ from helpers_regen import assert_stored_as_generated, extract_cfg, recording_bac
 from transformers import AutoTokenizer
 
 import extract.pipeline as pipeline
-from catalog.tiny_models import make_tiny_llama
-from catalog.tiny_tokenizers import THINKING_KINDS
-from core.dataset.reader import DatasetReader
 from extract.backends.hf import HFTarget
 from extract.chat import encode_prompt, stop_token_ids
 from extract.generated import check_generated, generated_samples, prompt_sha256
 from extract.records import Generation, Message, Record, read_records
 from extract.regenerate import split_reasoning, think_markers
+from redraft.catalog.tiny_models import make_tiny_llama
+from redraft.catalog.tiny_tokenizers import THINKING_KINDS
+from redraft.core.dataset.reader import DatasetReader
 
 # User turns of the scripted conversations (ScriptedTarget answers each with fixed ids)
 Q1, Q2, Q3 = "What is 12 times 7?", "Write a short poem about the sea.", "Hello! How are you today?"
@@ -214,7 +214,7 @@ def _sample(tok, output: list[int], finish: str = "stop"):
 
 
 def test_check_flags_every_way_of_not_storing_the_generated_ids():
-    from catalog.tiny_tokenizers import build_chat_tokenizer
+    from redraft.catalog.tiny_tokenizers import build_chat_tokenizer
 
     tok = build_chat_tokenizer("chatml")
     eot = tok.convert_tokens_to_ids("<|im_end|>")
@@ -251,7 +251,7 @@ def test_split_reasoning_conventions():
     assert split_reasoning("still thinking", markers, opened=True) == ("", "still thinking")  # cut inside
     assert split_reasoning("no reasoning", markers, opened=False) == ("no reasoning", None)
     assert split_reasoning("<think>r</think>c", None, opened=False) == ("<think>r</think>c", None)
-    from catalog.tiny_tokenizers import build_chat_tokenizer
+    from redraft.catalog.tiny_tokenizers import build_chat_tokenizer
 
     assert think_markers(build_chat_tokenizer("chatml")) is None
     assert all(think_markers(build_chat_tokenizer(k)) == markers for k in THINKING_KINDS)

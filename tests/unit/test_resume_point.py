@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from core.drafter.folder import CheckpointError
+from redraft.core.drafter.folder import CheckpointError
 from train.checkpoint import ORDER_RULE, TRAINER_STATE, TRAINING_STATE, resume_point
 
 

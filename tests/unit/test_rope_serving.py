@@ -16,11 +16,11 @@ import pytest
 import torch
 from helpers_drafter import tiny_config, tiny_drafter, tiny_mla_config
 
-from core.drafter.config import DrafterConfig
-from core.drafter.folder import write_drafter_folder
-from core.drafter.rope import Rope, engine_rope_deviations, rope_tables, yarn_mscale
-from core.drafter.serving_format import serving_config
 from eval.export import ExportConfig, ExportError, export_checkpoint
+from redraft.core.drafter.config import DrafterConfig
+from redraft.core.drafter.folder import write_drafter_folder
+from redraft.core.drafter.rope import Rope, engine_rope_deviations, rope_tables, yarn_mscale
+from redraft.core.drafter.serving_format import serving_config
 
 torch.set_num_threads(1)
 

@@ -8,10 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from catalog.tiny_models import make_tiny_llama
-from catalog.tiny_tokenizers import CHAT_KINDS, THINKING_KINDS, build_chat_tokenizer
-from core.config import ConfigError
-from core.engines.request import sglang_sampling_params
 from extract.backends.base import GenerationConfig
 from extract.chat import USER_SENTINEL, user_turn_prefix
 from extract.config import ExtractConfig
@@ -28,6 +24,10 @@ from extract.self_prompts import (
     resolve_categories,
     synthesise,
 )
+from redraft.catalog.tiny_models import make_tiny_llama
+from redraft.catalog.tiny_tokenizers import CHAT_KINDS, THINKING_KINDS, build_chat_tokenizer
+from redraft.core.config import ConfigError
+from redraft.engines.request import sglang_sampling_params
 
 
 def _render_ids(tok, msgs):

@@ -32,7 +32,7 @@ SEQ = 23  # odd: the two ranks hold 12 rows each after padding
 
 
 def _batch(c, seq: int):
-    from core.dataset.batch import Batch
+    from redraft.core.dataset.batch import Batch
 
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(0, c.vocab_size, (2, seq), generator=g)
@@ -89,7 +89,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    from core.drafter.sequence_parallel import sequence_groups
+    from redraft.core.drafter.sequence_parallel import sequence_groups
 
     sp = sequence_groups(world=2, size=2, rank=rank)
     results = {name: _case(name, sp) for name in CASES}
@@ -123,7 +123,7 @@ def test_two_ranks_give_one_ranks_loss_and_gradients(results: dict, name: str) -
 
 
 def test_the_shard_pads_and_keeps_the_halo() -> None:
-    from core.dataset.batch import Batch
+    from redraft.core.dataset.batch import Batch
 
     t = torch.arange(7)[None]
     b = Batch(input_ids=t, attention_mask=torch.ones_like(t), loss_mask=torch.ones_like(t), aux_hidden=t[..., None].float(),
@@ -140,8 +140,8 @@ def test_the_shard_pads_and_keeps_the_halo() -> None:
 def test_kv_heads_the_group_cannot_split_are_refused_by_name() -> None:
     from helpers_drafter import tiny_drafter
 
-    from core.config import ConfigError
-    from core.drafter.sequence_parallel import SequenceParallel
+    from redraft.core.config import ConfigError
+    from redraft.core.drafter.sequence_parallel import SequenceParallel
 
     with pytest.raises(ConfigError, match="sequence_parallel=3 does not divide the drafter's 2 kv heads"):
         tiny_drafter(num_key_value_heads=2).set_sequence_parallel(SequenceParallel(size=3, rank=0))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from core.engines.launch import export_engine
+from redraft.engines.launch import export_engine
 from serve.traffic import Traffic, TrafficError, read_offline
 from serve.tune import TuneError, TuneOptions, read_exports
 

@@ -28,7 +28,7 @@ from serve.report import (
 
 @pytest.fixture(scope="module")
 def kimi_tokenizer_dir(tmp_path_factory):
-    from catalog.tiny_tokenizers import build_chat_tokenizer
+    from redraft.catalog.tiny_tokenizers import build_chat_tokenizer
 
     out = tmp_path_factory.mktemp("kimi_tok")
     build_chat_tokenizer("kimi_k25").save_pretrained(out)

@@ -14,14 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.engines.request import TokenRequest, sglang_sampling_params
-from core.engines.sglang_driver import (
-    capture_request,
-    check_response,
-    parse_generate_output,
-    spec_counters,
-)
-from core.engines.sglang_driver import parse_capture_output as _parse
 from extract.backends.base import TeacherSpec
 from extract.backends.sglang import (
     LANGUAGE_MODEL_ONLY_ARCHITECTURES,
@@ -30,6 +22,14 @@ from extract.backends.sglang import (
     is_multimodal_config,
     read_target_info,
 )
+from redraft.engines.request import TokenRequest, sglang_sampling_params
+from redraft.engines.sglang_driver import (
+    capture_request,
+    check_response,
+    parse_generate_output,
+    spec_counters,
+)
+from redraft.engines.sglang_driver import parse_capture_output as _parse
 
 
 def parse_capture_output(output, k, **kw):
@@ -251,7 +251,7 @@ def test_parse_generate_output_ends_with_the_matched_stop():
 
 
 def test_no_sglang_anywhere_names_the_make_target(tmp_path, monkeypatch):
-    from core.engines import sglang as runner
+    from redraft.engines import sglang as runner
 
     monkeypatch.setattr(runner.importlib.util, "find_spec", lambda name: None)
     monkeypatch.setenv("SGLANG_CPU_VENV", str(tmp_path / "none"))
@@ -263,7 +263,7 @@ def test_no_sglang_anywhere_names_the_make_target(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
-    from catalog.tiny_models import make_tiny_deepseek_v3, make_tiny_llama, make_wrapped_model
+    from redraft.catalog.tiny_models import make_tiny_deepseek_v3, make_tiny_llama, make_wrapped_model
 
     root = tmp_path_factory.mktemp("sglang-targets")
     return {

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.engines.sglang_cpu.ops import attention
+from redraft.engines.sglang_cpu.ops import attention
 
 
 def _case(tree: bool) -> dict:

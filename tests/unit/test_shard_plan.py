@@ -8,15 +8,15 @@ from pathlib import Path
 import pytest
 
 import extract.pipeline as pipeline
-from catalog.tiny_models import make_tiny_llama
-from core.config import ConfigError
-from core.dataset.format import bytes_per_token, read_shard_header, shard_relpath
-from core.dataset.reader import DatasetReader
 from extract.config import ExtractConfig, parse_args
 from extract.pipeline import run_extraction
 from extract.records import Message, Record
 from extract.shard_plan import OFFSET_BYTES, cut_shards, regenerated_bytes_bound
 from extract.verify import verify_dataset
+from redraft.catalog.tiny_models import make_tiny_llama
+from redraft.core.config import ConfigError
+from redraft.core.dataset.format import bytes_per_token, read_shard_header, shard_relpath
+from redraft.core.dataset.reader import DatasetReader
 
 WORDS = "a cat sat on the mat and ran far away to see the sun rise over green hills".split()
 

@@ -9,15 +9,15 @@ from pathlib import Path
 import pytest
 from helpers_store import make_dataset, make_header, make_sample
 
-from core.dataset import writer as writer_mod
-from core.dataset.format import MANIFEST_NAME, sha256_file, shard_relpath
-from core.dataset.shard_record import record_path
-from core.dataset.writer import finalize_dataset, read_shard_info, write_shard
+from redraft.core.dataset import writer as writer_mod
+from redraft.core.dataset.format import MANIFEST_NAME, sha256_file, shard_relpath
+from redraft.core.dataset.shard_record import record_path
+from redraft.core.dataset.writer import finalize_dataset, read_shard_info, write_shard
 
 
 @pytest.fixture
 def hashed(monkeypatch) -> list[Path]:
-    """Every file core.dataset.writer hashes after the shards are written."""
+    """Every file redraft.core.dataset.writer hashes after the shards are written."""
     seen: list[Path] = []
     monkeypatch.setattr(writer_mod, "sha256_file", lambda p: seen.append(Path(p)) or sha256_file(p))
     return seen

@@ -377,7 +377,7 @@ def test_chain_drafts_are_the_training_steps(drafter, case):
     """Train and eval agree: where the data tokens equal the earlier drafts, chain draft k is the
     argmax of ttt_forward's step k at the same position (the trainer's TTT unroll is the drafting
     the evaluator simulates, not merely a look-alike)."""
-    from core.teacher_targets import TeacherTargets
+    from redraft.core.teacher_targets import TeacherTargets
     from train.ttt import ttt_forward
 
     bsz, seq = case["input_ids"].shape

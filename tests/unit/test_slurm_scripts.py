@@ -163,7 +163,7 @@ def test_serve_eagle3_dry_run(tmp_path):
 def test_serve_reads_the_export_settings_and_passes_extras(tmp_path):
     draft = tmp_path / "draft"
     draft.mkdir()
-    from core.engines.launch import (  # the command the export records in redraft.json
+    from redraft.engines.launch import (  # the command the export records in redraft.json
         LaunchPlan,
         sglang_command,
     )

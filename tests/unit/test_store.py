@@ -1,4 +1,4 @@
-"""core.dataset: shard writer, manifest, reader, fp8 codec."""
+"""redraft.core.dataset: shard writer, manifest, reader, fp8 codec."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from helpers_store import make_dataset, make_header, make_sample
 from safetensors import safe_open
 from safetensors.torch import load_file, save
 
-import core.atomic as atomic
-import core.dataset.reader as reader_module
-from core.dataset.format import (
+import redraft.core.atomic as atomic
+import redraft.core.dataset.reader as reader_module
+from redraft.core.dataset.format import (
     COUNTS_NAME,
     MANIFEST_NAME,
     DatasetError,
@@ -28,10 +28,10 @@ from core.dataset.format import (
     features_are_finite,
     shard_relpath,
 )
-from core.dataset.fp8 import dequantize_fp8
-from core.dataset.reader import DatasetReader
-from core.dataset.safetensors_bytes import serialize
-from core.dataset.writer import ShardWriter, finalize_dataset, read_shard_info, write_shard
+from redraft.core.dataset.fp8 import dequantize_fp8
+from redraft.core.dataset.reader import DatasetReader
+from redraft.core.dataset.safetensors_bytes import serialize
+from redraft.core.dataset.writer import ShardWriter, finalize_dataset, read_shard_info, write_shard
 
 FLOOR = torch.finfo(torch.float32).min
 
@@ -534,8 +534,8 @@ def test_bytes_per_token_matches_real_shards(tmp_path, hidden_dtype, kinds):
 
 def _in_memory_shard(samples, hidden_dtype: str) -> bytes:
     """The shard as one in-memory serialisation of the concatenated rows (what the writer must stream)."""
-    from core.dataset.format import clamp_logprobs
-    from core.dataset.fp8 import encode_hidden, put_hidden
+    from redraft.core.dataset.format import clamp_logprobs
+    from redraft.core.dataset.fp8 import encode_hidden, put_hidden
 
     tensors = {"sample_offsets": torch.tensor([0, *torch.tensor([len(s.input_ids) for s in samples]).cumsum(0)])}
     tensors["input_ids"] = torch.cat([s.input_ids.to(torch.int32) for s in samples])
@@ -601,7 +601,7 @@ def test_writer_spills_next_to_the_shard_keeps_no_rows_and_cleans_up(tmp_path):
 
 
 def test_disk_full_while_spilling_names_the_shard_and_leaves_nothing(tmp_path, monkeypatch):
-    import core.dataset.writer as writer_module
+    import redraft.core.dataset.writer as writer_module
 
     class Full:
         def __init__(self, f):

@@ -10,10 +10,10 @@ import pytest
 import torch
 from helpers_store import make_dataset
 
-from core.dataset.batch import collate
-from core.dataset.format import DatasetError, shard_relpath
-from core.dataset.reader import DatasetReader
-from core.dataset.stored import collate_stored
+from redraft.core.dataset.batch import collate
+from redraft.core.dataset.format import DatasetError, shard_relpath
+from redraft.core.dataset.reader import DatasetReader
+from redraft.core.dataset.stored import collate_stored
 
 
 @pytest.fixture(params=["bf16", "fp8"])

@@ -22,13 +22,20 @@ from helpers_paths import ROOT
 from helpers_store import make_header, make_sample
 from helpers_train import base_args, run_main
 
-from catalog.tiny_models import make_tiny_llama
-from core.config import ConfigError
-from core.dataset.format import DatasetError
-from core.dataset.window import HEADER_NAME, PLAN_NAME, consume, window_fit_problem, write_seal, write_window
-from core.dataset.writer import write_shard
-from core.drafter.folder import CheckpointError
 from extract.__main__ import main as extract_main
+from redraft.catalog.tiny_models import make_tiny_llama
+from redraft.core.config import ConfigError
+from redraft.core.dataset.format import DatasetError
+from redraft.core.dataset.window import (
+    HEADER_NAME,
+    PLAN_NAME,
+    consume,
+    window_fit_problem,
+    write_seal,
+    write_window,
+)
+from redraft.core.dataset.writer import write_shard
+from redraft.core.drafter.folder import CheckpointError
 from train.checkpoint import output_lock
 from train.config import parse_cli
 from train.stream import StreamSource

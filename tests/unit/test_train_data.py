@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from core.dataset.batch import collate
+from redraft.core.dataset.batch import collate
 from train.data import DistributedBucketSampler, SamplerState, length_bucketed_batches, split_by_id
 
 IDS = [f"conv-{i}" for i in range(400)]

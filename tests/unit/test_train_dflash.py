@@ -9,9 +9,9 @@ import pytest
 from helpers_train import base_args, make_dataset, make_target, read_metrics, run_main
 from safetensors.torch import load_file
 
-from core.drafter.folder import load_drafter_checkpoint
 from eval.acceptance import main as acceptance_main
 from eval.export import ExportConfig, ExportError, export_checkpoint
+from redraft.core.drafter.folder import load_drafter_checkpoint
 
 DFLASH = dict(drafter_method="dflash", dflash_layers=2, mask_token_id=3)
 

@@ -24,7 +24,7 @@ from helpers_train import (
 )
 from safetensors.torch import load_file
 
-from core.drafter.folder import CheckpointError, load_drafter_checkpoint
+from redraft.core.drafter.folder import CheckpointError, load_drafter_checkpoint
 from train.checkpoint import find_resume_checkpoint
 from train.config import FIELDS, ConfigError, load_config
 from train.data import split_by_id
@@ -143,7 +143,7 @@ def test_checkpoint_layout_latest_and_rotation(tiny, tmp_path):
     assert (config["hidden_size"], config["draft_vocab_size"], config["vocab_size"]) == (64, 64, vocab)
     assert config["tie_word_embeddings"] is False and config["torch_dtype"] == "float32"
     record = json.loads((ck / "redraft.json").read_text())
-    from core.dataset.reader import DatasetReader
+    from redraft.core.dataset.reader import DatasetReader
 
     ids = DatasetReader(data).sample_ids
     _, val = split_by_id(ids, 0.15, 8, seed=0)

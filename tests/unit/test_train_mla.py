@@ -12,8 +12,8 @@ from helpers_drafter import MLA_SERVING_KEYS
 from helpers_train import base_args, foreign_folder, make_dataset, make_target, read_metrics, run_main
 from safetensors.torch import load_file
 
-from core.drafter.folder import CheckpointError, load_drafter_checkpoint
 from eval.export import ExportConfig, export_checkpoint
+from redraft.core.drafter.folder import CheckpointError, load_drafter_checkpoint
 from train.config import ConfigError, load_config
 
 MLA = dict(drafter_attention="mla", q_lora_rank=32, qk_nope_head_dim=16, v_head_dim=16)

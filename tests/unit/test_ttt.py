@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers_drafter import tiny_drafter
 
-from core.teacher_targets import TeacherTargets, teacher_from_last_hidden, teacher_from_topk
+from redraft.core.teacher_targets import TeacherTargets, teacher_from_last_hidden, teacher_from_topk
 from train.ttt import soft_cross_entropy, ttt_forward
 
 torch.set_num_threads(1)

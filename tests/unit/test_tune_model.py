@@ -66,7 +66,7 @@ def test_the_answer_picks_the_best_paying_setting_and_the_crossover():
     assert "--speculative-num-steps 2" in rec["sglang"] and "--speculative-num-draft-tokens 3" in rec["sglang"]
     assert "--max-running-requests 1" in rec["sglang"] and "--max-num-seqs 1" in rec["vllm"]
     assert '"num_speculative_tokens": 2' in rec["vllm"]
-    # each engine at its own export: their aux layer ids differ by one for the same drafter (core.layers)
+    # each engine at its own export: their aux layer ids differ by one for the same drafter (redraft.core.layers)
     assert "/drafts/d-sglang" in rec["sglang"] and "/drafts/d-vllm" not in rec["sglang"]
     assert "/drafts/d-vllm" in rec["vllm"] and "/drafts/d-sglang" not in rec["vllm"]
 

@@ -1,8 +1,8 @@
-"""pipeline.tune's refusals before any stage runs (the end-to-end run is tests/engine/vllm/test_tune_vllm.py)."""
+"""redraft.pipeline.tune's refusals before any stage runs (the end-to-end run is tests/engine/vllm/test_tune_vllm.py)."""
 
 from __future__ import annotations
 
-from pipeline import tune
+from redraft.pipeline import tune
 
 
 def test_tune_refuses_two_traffic_sources(tmp_path, caplog):

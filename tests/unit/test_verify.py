@@ -15,11 +15,11 @@ from helpers_store import make_dataset, make_header
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from core.dataset.format import COUNTS_NAME, MANIFEST_NAME, shard_relpath
-from core.dataset.safetensors_bytes import serialize
-from core.dataset.writer import finalize_dataset
 from extract import verify as verify_mod
 from extract.verify import main, verify_dataset
+from redraft.core.dataset.format import COUNTS_NAME, MANIFEST_NAME, shard_relpath
+from redraft.core.dataset.safetensors_bytes import serialize
+from redraft.core.dataset.writer import finalize_dataset
 
 
 @pytest.fixture(params=["bf16", "fp8"])

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 
-from core.engines.vllm_driver import cpu_attention_backend, uses_mla
+from redraft.engines.vllm_driver import cpu_attention_backend, uses_mla
 
 
 def _model(tmp_path, name, **config):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from core.engines.driver_protocol import log_excerpt as _log_excerpt
+from redraft.engines.driver_protocol import log_excerpt as _log_excerpt
 
 
 def test_the_first_traceback_is_quoted_when_the_tail_does_not_hold_it(tmp_path):

@@ -5,8 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.drafter.modeling import Eagle3Drafter
-from core.drafter.vocab import build_vocab_mapping, check_vocab_mapping, draft_token_ids, shared_draft_rows
+from redraft.core.drafter.modeling import Eagle3Drafter
+from redraft.core.drafter.vocab import (
+    build_vocab_mapping,
+    check_vocab_mapping,
+    draft_token_ids,
+    shared_draft_rows,
+)
 
 torch.set_num_threads(1)
 

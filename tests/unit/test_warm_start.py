@@ -16,9 +16,9 @@ import torch
 from helpers_train import CYCLE_IDS, base_args, foreign_folder, make_dataset, make_target, run_main
 from safetensors.torch import load_file
 
-from core.dataset.reader import DatasetReader
-from core.drafter.folder import CheckpointError
-from core.drafter.vocab import build_vocab_mapping, draft_token_ids
+from redraft.core.dataset.reader import DatasetReader
+from redraft.core.drafter.folder import CheckpointError
+from redraft.core.drafter.vocab import build_vocab_mapping, draft_token_ids
 
 torch.set_num_threads(1)
 

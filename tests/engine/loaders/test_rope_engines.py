@@ -1,4 +1,4 @@
-"""The rope proof in the real engines: our training rope (core.drafter.rope) equals what SGLang 0.5.23's and
+"""The rope proof in the real engines: our training rope (redraft.core.drafter.rope) equals what SGLang 0.5.23's and
 vLLM 0.33.0's own rope modules build from the config.json our exporter writes, for every rope type the targets in
 the field use and each drafter attention kind (conformance/rope_check.py: cos/sin, rotation, magnitude,
 frequencies and softmax scale within 1e-6 relative; a mismatch names the config keys).
@@ -26,7 +26,7 @@ from conformance.rope_check import (
     refusal_facts,
     run_probe,
 )
-from core.drafter.rope import engine_rope_deviations
+from redraft.core.drafter.rope import engine_rope_deviations
 
 pytestmark = pytest.mark.sglang
 ENGINES = ("sglang", "vllm")

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from core import layers
-from core.engines.request import TokenRequest, sglang_sampling_params
-from core.engines.sglang_driver import capture_request
 from extract.backends.sglang import LANGUAGE_MODEL_ONLY_ARCHITECTURES, build_engine_kwargs
+from redraft.core import layers
+from redraft.engines.request import TokenRequest, sglang_sampling_params
+from redraft.engines.sglang_driver import capture_request
 
 
 @pytest.mark.sglang
@@ -32,7 +32,7 @@ def test_engine_kwargs_pass_sglangs_own_aux_capture_validation(tmp_path):
     from sglang.srt.arg_groups.validation_hook import handle_aux_hidden_state_capture
     from sglang.srt.server_args import ServerArgs
 
-    from catalog.tiny_models import make_tiny_llama
+    from redraft.catalog.tiny_models import make_tiny_llama
 
     path = make_tiny_llama(tmp_path / "llama", num_layers=8)
     ids = layers.to_engine_layer_ids([1, 3, 4], "sglang", "LlamaForCausalLM")

@@ -11,7 +11,7 @@ SGLang's words.
 Two healthy deployments: the drafter fitted to the probe's traffic (helpers_embedded.smollm2_fitted_drafter) served as
 a chain (beside the base: it pays at 1 and 4 streams) and as a tree, each with an explicit --max-running-requests: no
 finding at all, exit 0. Four server starts (the base shared), a few short requests each; every server sleeps when
-idle (core.engines.sglang.cpu_engine_kwargs), or an idle one would hold a core of the two.
+idle (redraft.engines.sglang.cpu_engine_kwargs), or an idle one would hold a core of the two.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from helpers_embedded import (
     smollm2_logit_lens_drafter,
 )
 
-from core.engines.sglang import SGLangServer
 from eval.export import ExportConfig, export_checkpoint
+from redraft.engines.sglang import SGLangServer
 from serve import doctor
 from serve import doctor_findings as rules
 

@@ -1,11 +1,11 @@
 """``--backend sglang``: SGLang 0.5.23's own aux-hidden-state capture equals the HF backend's (issue 33).
 
 SGLang's scheduler, model code and capture run here for real, on the CPU, with redraft's stand-in for its
-compiled CPU kernels (``core/engines/sglang_cpu``: attention and bookkeeping ops, tested against SGLang's
+compiled CPU kernels (``redraft/engines/sglang_cpu``: attention and bookkeeping ops, tested against SGLang's
 Triton kernels in tests/engine/sglang/test_sglang_cpu_ops.py). On three targets in fp32 (SmolLM2: Llama, GQA; kimi-k25-mini:
 DeepSeek-V3 with MLA, MoE, YaRN, 4 layers; a random 6-layer DeepSeek-V3), every layer SGLang will return is
 captured and matched against the HF backend's per-layer output: that settles the layer-id convention by asking
-the engine (``core.layers``), including SGLang's "first id is 1" rule for DeepSeek, asked with raw engine ids.
+the engine (``redraft.core.layers``), including SGLang's "first id is 1" rule for DeepSeek, asked with raw engine ids.
 Then the whole stage (``python -m extract --backend sglang`` with regeneration in the same engine), what is
 refused before the engine starts, and what redraft says when the engine dies.
 
@@ -25,15 +25,15 @@ from capture_speed import _row_rel, compare_captures
 from helpers_embedded import kimi_mini_dir, sglang_venv_python, smollm2_dir
 from sglang_capture import capture_every_layer, sequences
 
-from core import layers
-from core.dataset.reader import DatasetReader
-from core.engines.driver_protocol import EngineError
 from extract.backends.base import TeacherSpec
 from extract.backends.hf import HFTarget
 from extract.backends.sglang import SGLangTarget, build_engine_kwargs, read_capture_file
 from extract.config import ExtractConfig
 from extract.pipeline import run_extraction
 from extract.verify import verify_dataset
+from redraft.core import layers
+from redraft.core.dataset.reader import DatasetReader
+from redraft.engines.driver_protocol import EngineError
 
 pytestmark = pytest.mark.uses_kimi_mini  # run after the tier's other files (tests/conftest.py)
 
@@ -43,7 +43,7 @@ TEACHER = TeacherSpec(kinds=("topk",), topk=8)
 
 
 def _served_deepseek(root: Path, **kw) -> Path:
-    from catalog.tiny_models import make_served_deepseek_v3
+    from redraft.catalog.tiny_models import make_served_deepseek_v3
 
     return make_served_deepseek_v3(root, **kw)
 
@@ -64,7 +64,7 @@ def captured(request, targets):
 
 
 def test_every_layer_sglang_returns_is_the_hf_backends_layer(captured):
-    """Our id i (output of layer i) = what SGLang returns when asked through core.layers, for every layer it can
+    """Our id i (output of layer i) = what SGLang returns when asked through redraft.core.layers, for every layer it can
     return: the convention proven by the engine for Llama (SGLang adds 1) and DeepSeek (1 never written first)."""
     hf = captured["hf"]
     n = hf.info.num_layers - 1
@@ -99,7 +99,7 @@ def test_the_last_layer_is_out_of_reach_and_refused_before_the_engine_starts(tar
 def test_sglang_shifts_deepseek_ids_only_when_the_first_is_1(targets, tmp_path):
     """Asked of the engine with raw ids: on deepseek_v2.py, [1, 2, 3] (first is 1) captures the inputs of layers
     2, 3, 4 (our 1, 2, 3), [2, 3, 1] the inputs of 1, 2, 3 (our 0, 1, 2); from_engine_layer_ids reads both."""
-    from core.engines.sglang import SGLangEngine
+    from redraft.engines.sglang import SGLangEngine
 
     path = targets["deepseek-v3-6"]
     hf = HFTarget(str(path), aux_layer_ids=[0, 1, 2, 3, 4])
@@ -165,14 +165,14 @@ def test_a_deepseek_config_without_moe_layer_freq_is_refused_by_key(tmp_path):
                                        ({"decode_attention_backend": "triton"}, "decode_attention_backend"),
                                        ({"tp_size": 2}, "tp_size")])
 def test_cpu_settings_that_break_capture_or_speculation_are_refused_by_key(args, key):
-    from core.engines.sglang import cpu_engine_kwargs
+    from redraft.engines.sglang import cpu_engine_kwargs
 
     with pytest.raises(ValueError, match=rf"engine_args\['{key}'\]"):
         cpu_engine_kwargs(args)
 
 
 def test_another_sglang_in_the_venv_is_refused_by_version(tmp_path):
-    from core.engines.sglang import engine_runtime
+    from redraft.engines.sglang import engine_runtime
 
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)

@@ -1,6 +1,6 @@
 """redraft's stand-in for SGLang's compiled CPU kernels computes what SGLang's own kernels compute (issue 33).
 
-On a CPU, SGLang 0.5.23 runs with ``core/engines/sglang_cpu/site/sgl_kernel`` in place of its compiled
+On a CPU, SGLang 0.5.23 runs with ``redraft/engines/sglang_cpu/site/sgl_kernel`` in place of its compiled
 ``sgl_kernel``; everything the SGLang lane then measures (captures, acceptance counters) goes through these
 ops, ``verify_tree_greedy`` being the acceptance rule itself. ``tests/sglang_cpu_opcheck.py`` runs in the
 SGLang CPU venv and holds every op, reached through SGLang's own CPU call sites, equal to SGLang's Triton
@@ -22,7 +22,7 @@ import pytest
 from helpers_embedded import sglang_venv_python
 from helpers_paths import ROOT
 
-from core.engines.sglang_cpu import SITE
+from redraft.engines.sglang_cpu import SITE
 
 SCRIPT = ROOT / "tests" / "sglang_cpu_opcheck.py"
 TOL = 1e-5  # fp32 attention: max |stand-in - other| / max |other|

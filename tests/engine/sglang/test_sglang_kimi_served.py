@@ -3,7 +3,7 @@
 Production captures Kimi-K2.5 through the class that serves it. SGLang 0.5.23 starts that class only with the
 checkpoint's processor (``preprocessor_config.json`` and its remote code: ``kimi_k25.py``'s multimodal processor
 reads ``media_processor.media_proc_cfg`` while the engine starts) and builds its MoonViT tower from
-``vision_config``, loading the tower's weights by name. ``catalog.kimi_mini.write_wrapped`` writes all of that at a
+``vision_config``, loading the tower's weights by name. ``redraft.catalog.kimi_mini.write_wrapped`` writes all of that at a
 token size. Here the stage runs as a user runs it (``python -m extract --backend sglang --trust-remote-code`` on
 the served folder: one engine start, two short samples) and its dataset equals the HF backend's on the plain
 folder, the reference tests/engine/sglang/test_sglang_capture.py proves SGLang equal to on the plain layout.
@@ -26,11 +26,11 @@ from capture_speed import _row_rel
 from helpers_embedded import kimi_mini_dir, sglang_venv_python
 from helpers_paths import ROOT
 
-from catalog import kimi_mini as km
-from core.dataset.reader import DatasetReader
 from extract.config import ExtractConfig
 from extract.pipeline import run_extraction
 from extract.verify import verify_dataset
+from redraft.catalog import kimi_mini as km
+from redraft.core.dataset.reader import DatasetReader
 
 pytestmark = pytest.mark.uses_kimi_mini  # run after the tier's other files (tests/conftest.py)
 

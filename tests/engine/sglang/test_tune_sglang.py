@@ -17,7 +17,7 @@ from __future__ import annotations
 from helpers_embedded import sglang_venv_python, smollm2_dir, smollm2_logit_lens_drafter
 from helpers_tune import STEPS, check_report, tune_args
 
-from pipeline import tune
+from redraft.pipeline import tune
 
 
 def test_tune_sglang_end_to_end(tmp_path, capsys):

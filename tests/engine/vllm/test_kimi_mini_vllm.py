@@ -11,8 +11,8 @@ pytestmark = pytest.mark.uses_kimi_mini  # run after the tier's other files (tes
 def test_vllm_loads_it_and_decodes_as_transformers(kimi, model, saved_tokenizer):
     from helpers_embedded import vllm_venv_python
 
-    from core.engines.request import TokenRequest
-    from core.engines.vllm import EngineSettings, VLLMEngine
+    from redraft.engines.request import TokenRequest
+    from redraft.engines.vllm import EngineSettings, VLLMEngine
 
     python = vllm_venv_python()
     max_new = 48

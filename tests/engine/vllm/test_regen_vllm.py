@@ -2,7 +2,7 @@
 
 Three ways the same engine is reached, one run each: ``--regen-backend vllm`` (driver subprocess under
 the venv's python), ``--regen-backend server`` against ``vllm serve`` started here from the same venv,
-and the runner in-process (the venv's own python imports core.engines.vllm, as on a GPU machine where
+and the runner in-process (the venv's own python imports redraft.engines.vllm, as on a GPU machine where
 ``vllm`` is installed). The replies are compared with what the engine returned (recorded around the
 regenerator), across the three paths (greedy reproduces), and by the pipeline's own check (0 mismatches).
 
@@ -25,9 +25,9 @@ from regen_exactness import recording_regenerators
 from transformers import AutoTokenizer
 
 import extract.pipeline as pipeline
-from core.engines.vllm import EngineSettings, VLLMServer
 from extract.chat import stop_token_ids
 from extract.records import read_records
+from redraft.engines.vllm import EngineSettings, VLLMServer
 
 MAX_NEW = 24
 
@@ -116,8 +116,8 @@ def test_runner_in_process_gives_the_same_ids(vllm_run, tmp_path):
                                "budgets": [MAX_NEW] * len(first_turns), "stops": stop_token_ids(tok)}))
     script = (
         "import json, sys\n"
-        "from core.engines.vllm import IN_PROCESS, EngineSettings, VLLMEngine, engine_python\n"
-        "from core.engines.request import TokenRequest\n"
+        "from redraft.engines.vllm import IN_PROCESS, EngineSettings, VLLMEngine, engine_python\n"
+        "from redraft.engines.request import TokenRequest\n"
         "def main():\n"
         "    job = json.load(open(sys.argv[1]))\n"
         "    assert engine_python()[0] == IN_PROCESS, engine_python()\n"
@@ -128,7 +128,7 @@ def test_runner_in_process_gives_the_same_ids(vllm_run, tmp_path):
         "if __name__ == '__main__':\n"
         "    main()\n")
     (tmp_path / "inproc.py").write_text(script)
-    from core.engines.vllm import engine_env
+    from redraft.engines.vllm import engine_env
 
     env = engine_env(vllm_run["python"], extra={"PYTHONPATH": str(ROOT)})
     proc = subprocess.run([vllm_run["python"], str(tmp_path / "inproc.py"), str(job)], capture_output=True, text=True,

@@ -20,7 +20,7 @@ import yaml
 from helpers_embedded import vllm_venv_python
 from helpers_paths import ROOT
 
-from catalog.tiny_models import make_tiny_llama
+from redraft.catalog.tiny_models import make_tiny_llama
 
 SCRIPT = ROOT / "benchmarks" / "retrain_gain.py"
 

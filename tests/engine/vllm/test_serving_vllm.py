@@ -21,8 +21,8 @@ import urllib.request
 import pytest
 from helpers_embedded import smollm2_dir, smollm2_fitted_drafter, smollm2_logit_lens_drafter, vllm_venv_python
 
-from core.engines.vllm import EngineSettings, VLLMServer
 from eval.export import ExportConfig, export_checkpoint
+from redraft.engines.vllm import EngineSettings, VLLMServer
 from serve import bench as serving
 from serve.doctor_findings import LOW_ACCEPT_LENGTH
 
@@ -175,11 +175,11 @@ def test_the_doctor_reads_the_server_and_finds_a_drafter_folder_read_one_layer_o
 
 
 def test_the_doctor_walks_the_servers_own_replies_offline(server, tmp_path):
-    """pipeline.doctor: the probe's prompts answered again by the same server, captured here from the target and
+    """redraft.pipeline.doctor: the probe's prompts answered again by the same server, captured here from the target and
     walked offline with the drafter. Served as trained, the walk's tokens per verify round equal the engine's at
     one stream; this logit-lens drafter is poor, so where both are low the verdict is that it does not fit (and
     never that it is served wrongly)."""
-    from pipeline import doctor as pipeline_doctor
+    from redraft.pipeline import doctor as pipeline_doctor
     from serve import doctor
     from serve import doctor_findings as rules
 

@@ -1,4 +1,4 @@
-"""pipeline.tune end to end (extract, eval.export, eval.acceptance, then serve.tune) on a tiny case against real
+"""redraft.pipeline.tune end to end (extract, eval.export, eval.acceptance, then serve.tune) on a tiny case against real
 vLLM CPU servers.
 
 The SmolLM2 logit-lens drafter (tests/helpers_embedded.py) on three MT-bench prompts answered by the target
@@ -19,7 +19,7 @@ from __future__ import annotations
 from helpers_embedded import smollm2_dir, smollm2_logit_lens_drafter, vllm_venv_python
 from helpers_tune import check_report, tune_args
 
-from pipeline import tune
+from redraft.pipeline import tune
 
 
 def test_tune_end_to_end(tmp_path, capsys):

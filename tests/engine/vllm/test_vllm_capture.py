@@ -23,13 +23,13 @@ from capture_speed import _row_rel, compare_captures
 from helpers_embedded import capture_sequences, kimi_mini_dir, smollm2_dir
 from helpers_embedded import vllm_venv_python as venv_python
 
-from core.dataset.reader import DatasetReader
 from extract.backends.base import TeacherSpec
 from extract.backends.hf import HFTarget
 from extract.backends.vllm import VLLMTarget
 from extract.config import ExtractConfig
 from extract.pipeline import run_extraction
 from extract.verify import verify_dataset
+from redraft.core.dataset.reader import DatasetReader
 
 pytestmark = pytest.mark.uses_kimi_mini  # run after the tier's other files (tests/conftest.py)
 
@@ -106,9 +106,9 @@ def test_overlapped_batches_give_the_same_features_and_leave_no_files(captured):
 
 
 def test_the_layer_ids_are_the_ones_core_layers_names(captured):
-    """The engine ids asked of vLLM are core.layers' conversion of the aux ids, plus the end layer."""
-    from core import layers
+    """The engine ids asked of vLLM are redraft.core.layers' conversion of the aux ids, plus the end layer."""
     from extract.backends.vllm import CapturePlan
+    from redraft.core import layers
 
     info = captured["hf"].info
     plan = CapturePlan.for_target(info.aux_layer_ids, info.num_layers, info.architecture)
@@ -163,7 +163,7 @@ def test_resume_keeps_the_vllm_shards(datasets):
 
 
 def test_engine_args_that_would_break_capture_are_refused(tmp_path):
-    from core.engines.vllm import EngineError
+    from redraft.engines.vllm import EngineError
 
     with pytest.raises(EngineError, match="speculative_config"):
         VLLMTarget(str(smollm2_dir()), python=venv_python(), max_length=256, kv_cache_bytes=1 << 28,
