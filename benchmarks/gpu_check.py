@@ -8,7 +8,7 @@ on PYTHONPATH (a bare image, where nothing is installed: run it from the reposit
 order, each part recorded even when a later one fails:
 
 1. **matmul**: the dense bf16 matmul rate this device achieves (8192^3 products), the yardstick below;
-2. **train step** at the Kimi-K2.5 MLA drafter's shape (configs/kimi-k25/train-mla.yaml: hidden 7168, 64 MLA
+2. **train step** at the Kimi-K2.5 MLA drafter's shape (configs/kimi-k25.yaml#train-mla: hidden 7168, 64 MLA
    heads, MLP 18432, draft vocab 32000; one 4096-token sample; TTT unroll 7; AdamW): tokens/s, achieved TFLOP/s
    (the drafter's counted FLOPs, benchmarks/loader_throughput.py) against the matmul rate, peak memory, for each
    TTT attention kernel (eager, sdpa, flex);

@@ -39,7 +39,7 @@ from redraft.core.dataset.stored import collate_stored
 from redraft.core.dataset.writer import finalize_dataset, write_shard
 
 KIMI = {"hidden": 7168, "num_aux": 3, "topk": 64, "vocab": 163840}
-# The Kimi-K2.5 MLA drafter (configs/kimi-k25/train-mla.yaml)
+# The Kimi-K2.5 MLA drafter (configs/kimi-k25.yaml#train-mla)
 DRAFTER = {"hidden_size": 7168, "num_attention_heads": 64, "num_key_value_heads": 64, "head_dim": 192,
            "intermediate_size": 18432, "vocab_size": 163840, "draft_vocab_size": 32000, "target_hidden_size": 7168,
            "aux_layer_ids": [1, 29, 57], "target_num_layers": 61, "attention": "mla", "q_lora_rank": 1536,

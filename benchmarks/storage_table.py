@@ -31,7 +31,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tokens-per-conversation", type=int, default=2000, help="mean tokens per conversation "
                    "(published Kimi drafters: ~2k)")
     p.add_argument("--window-gib", type=float, default=64, help="the stream's window (extract --window-bytes)")
-    p.add_argument("--shard-gib", type=float, default=24, help="extract --shard-bytes (configs/kimi-k25/extract.yaml: 24GiB)")
+    p.add_argument("--shard-gib", type=float, default=24, help="extract --shard-bytes (configs/kimi-k25.yaml: 24GiB)")
     p.add_argument("--extract-ranks", type=int, default=8, help="extraction ranks writing at once (array tasks)")
     p.add_argument("--out", default="", help="write storage.json and storage.md here")
     return p.parse_args(argv)

@@ -461,7 +461,7 @@ DESCRIPTION = ("Offline acceptance length of EAGLE-3 drafters on a redraft datas
 
 def parse_options(argv: Sequence[str] | None) -> AcceptanceOptions:
     """The command line (and its --config YAML) as AcceptanceOptions (redraft.core.options)."""
-    return options.parse(AcceptanceOptions, argv, prog=PROG, description=DESCRIPTION)
+    return options.parse(AcceptanceOptions, argv, prog=PROG, description=DESCRIPTION, section="eval")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -239,7 +239,7 @@ DESCRIPTION = ("Hold eval.acceptance's offline tau against the engine's (vLLM or
 
 def parse_options(argv: Sequence[str] | None) -> EngineTruthOptions:
     """The command line (and its --config YAML) as EngineTruthOptions (redraft.core.options)."""
-    return options.parse(EngineTruthOptions, argv, prog=PROG, description=DESCRIPTION)
+    return options.parse(EngineTruthOptions, argv, prog=PROG, description=DESCRIPTION, section="truth")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -438,7 +438,7 @@ EPILOG = ("Example: python -m eval.export runs/demo OUT/drafter-sglang --format 
 
 def parse_options(argv: Sequence[str] | None) -> ExportOptions:
     """The command line (and its --config YAML) as ExportOptions (redraft.core.options)."""
-    return options.parse(ExportOptions, argv, prog=PROG, description=DESCRIPTION, epilog=EPILOG)
+    return options.parse(ExportOptions, argv, prog=PROG, description=DESCRIPTION, epilog=EPILOG, section="export")
 
 
 def build_parser() -> argparse.ArgumentParser:

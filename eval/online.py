@@ -379,7 +379,7 @@ DESCRIPTION = ("Online acceptance in a real engine (vLLM or SGLang): the dataset
 
 def parse_options(argv: Sequence[str] | None) -> OnlineOptions:
     """The command line (and its --config YAML) as OnlineOptions (redraft.core.options)."""
-    return options.parse(OnlineOptions, argv, prog=PROG, description=DESCRIPTION)
+    return options.parse(OnlineOptions, argv, prog=PROG, description=DESCRIPTION, section="online")
 
 
 def build_parser() -> argparse.ArgumentParser:

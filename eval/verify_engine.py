@@ -140,7 +140,7 @@ def run_verification(folder: str | Path, engine: str, *, context_length: int | N
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        a = options.parse(VerifyEngineOptions, argv, prog=PROG, description=__doc__.split("\n\n")[0])
+        a = options.parse(VerifyEngineOptions, argv, prog=PROG, description=__doc__.split("\n\n")[0], section="loadcheck")
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

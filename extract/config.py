@@ -281,7 +281,7 @@ DESCRIPTION = ("Run the serving target over chat data and store its captured aux
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
     """Read a YAML config; unknown keys are an error naming the key and the file."""
-    return options.load_yaml(ExtractConfig, path)
+    return options.load_yaml(ExtractConfig, path, "extract")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -291,4 +291,4 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None = None, *, validate: bool = True) -> ExtractConfig:
     """CLI flags over an optional YAML file over the defaults (redraft.core.options); ``validate=False``: as written, for
     saying where a refused run's end goes."""
-    return options.parse(ExtractConfig, argv, prog=PROG, description=DESCRIPTION, validate=validate)
+    return options.parse(ExtractConfig, argv, prog=PROG, description=DESCRIPTION, validate=validate, section="extract")

@@ -194,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        args = options.parse(VerifyOptions, argv, prog=PROG, description=DESCRIPTION)
+        args = options.parse(VerifyOptions, argv, prog=PROG, description=DESCRIPTION, section="verify")
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

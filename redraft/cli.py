@@ -41,10 +41,12 @@ COMMANDS: tuple[Command, ...] = (
     Command("doctor", "serve.doctor", "serving",
             "why a live deployment does not pay, and the flags that fix it (with --target: also the offline walk "
             "over the server's own replies)"),
+    Command("config", "redraft.settings", "settings",
+            "the settings a stage reads from a config file (a target's one config: FILE#STAGE)"),
 )
 DOCTOR_WITH_WALK = "redraft.pipeline.doctor"
 GROUPS = {"stages": "The stages (extract -> train -> eval/export)", "engines": "In a real engine",
-          "serving": "Serving"}
+          "serving": "Serving", "settings": "Settings"}
 
 
 def usage() -> str:

@@ -341,7 +341,7 @@ def write_outputs(report: dict[str, Any], cfg: ServingConfig) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        args = options.parse(ServingOptions, argv, prog=PROG, description=DESCRIPTION, epilog=EPILOG)
+        args = options.parse(ServingOptions, argv, prog=PROG, description=DESCRIPTION, epilog=EPILOG, section="bench")
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -297,7 +297,7 @@ def render(result: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = options.parse(DoctorOptions, argv, prog=PROG, description=__doc__.split("\n\n")[0])
+    args = options.parse(DoctorOptions, argv, prog=PROG, description=__doc__.split("\n\n")[0], section="doctor")
     if args.before_launch is not None:
         result = check_before_launch(args)
         text = render_before_launch(result)

@@ -332,7 +332,7 @@ DESCRIPTION = __doc__.split("\n")[0]
 
 
 def parse_options(argv: Sequence[str] | None) -> TuneOptions:
-    return options.parse(TuneOptions, argv, prog=PROG, description=DESCRIPTION)
+    return options.parse(TuneOptions, argv, prog=PROG, description=DESCRIPTION, section="sweep")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Extraction for the serving target, one 8-GPU node per array task.
 #
-#   sbatch slurm/extract.sh                       # Kimi-K2.5, SGLang TP 8, configs/kimi-k25/extract.yaml
+#   sbatch slurm/extract.sh                       # Kimi-K2.5, SGLang TP 8, configs/kimi-k25.yaml (its extract section)
 #   sbatch --array=0-15 slurm/extract.sh          # 16 data partitions: task i takes shards s with s % 16 == i
 #   bash slurm/extract.sh [--max-samples 8 ...]   # outside Slurm: the embedded default on this machine
 #
@@ -31,7 +31,7 @@ cd "$REPO"
 die() { echo "[slurm/extract.sh] error: $*" >&2; exit 2; }
 
 if [[ -n "${SLURM_JOB_ID:-}" ]]; then
-  CONFIG=${CONFIG:-configs/kimi-k25/extract.yaml}
+  CONFIG=${CONFIG:-configs/kimi-k25.yaml}  # its extract section; CONFIG=configs/kimi-k25.yaml#extract-vllm for vLLM
   PYTHON=${PYTHON:-${REDRAFT_ENGINE_PYTHON:-$REPO/.venv/bin/python}}
   export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 else
@@ -42,7 +42,8 @@ fi
 [[ -x "$PYTHON" ]] || die "PYTHON=$PYTHON is not an executable interpreter; set PYTHON (or REDRAFT_ENGINE_PYTHON) to the python of the venv that has redraft and its engine"
 
 # The engine the run needs: --backend on the command line, else the config's backend key (hf by default).
-BACKEND=$(sed -n 's/^backend:[[:space:]]*\([a-z]*\).*/\1/p' "$CONFIG" 2>/dev/null | tail -n 1)
+SETTINGS=$("$PYTHON" -m redraft config --stage extract "$CONFIG") || die "CONFIG=$CONFIG: cannot be read (above)"
+BACKEND=$(sed -n 's/^backend: \([a-z]*\)$/\1/p' <<< "$SETTINGS" | tail -n 1)
 for ((i = 1; i <= $#; i++)); do
   arg=${!i}
   case "$arg" in

@@ -6,8 +6,8 @@
 #   bash slurm/serve.sh --dry-run [--base] [options]   # print the command instead of running it
 #   bash slurm/serve.sh --draft DIR -- --mem-fraction-static 0.85   # after "--": extra sglang arguments
 #
-# Options (environment variable in brackets; SERVE_CONFIG names a KEY=VALUE file of the same variables,
-# default configs/kimi-k25/serve.env): --target DIR [TARGET], --draft DIR [DRAFT], --tp N [TP],
+# Options (environment variable in brackets; SERVE_CONFIG names a config's serve section of the same settings in
+# lower case, default configs/kimi-k25.yaml#serve): --target DIR [TARGET], --draft DIR [DRAFT], --tp N [TP],
 # --port N [PORT], --host H [HOST], --max-running-requests N [MAX_RUNNING_REQUESTS],
 # --cuda-graph-max-bs N [CUDA_GRAPH_MAX_BS], --steps N [SPEC_STEPS], --topk N [SPEC_TOPK],
 # --draft-tokens N [SPEC_DRAFT_TOKENS], --context-length N [CONTEXT_LENGTH], --base, --dry-run.
@@ -46,17 +46,18 @@ fi
 log() { echo "[slurm/serve.sh] $*" >&2; }
 die() { log "error: $*"; exit 2; }
 
-# Settings file (KEY=VALUE lines, default configs/kimi-k25/serve.env); the environment and the options win.
+# Settings: a config's serve section (default configs/kimi-k25.yaml#serve, read by `redraft config`); the environment
+# and the options win.
 SERVE_KEYS=" TARGET DRAFT TP HOST PORT MAX_RUNNING_REQUESTS CUDA_GRAPH_MAX_BS SPEC_STEPS SPEC_TOPK SPEC_DRAFT_TOKENS CONTEXT_LENGTH "
-SERVE_CONFIG=${SERVE_CONFIG:-configs/kimi-k25/serve.env}
-if [[ -f "$SERVE_CONFIG" ]]; then
-  while IFS= read -r line || [[ -n "$line" ]]; do
-    [[ -z "${line// }" || "$line" == \#* ]] && continue
-    key=${line%%=*}; value=${line#*=}
-    [[ "$line" == *=* && "$SERVE_KEYS" == *" $key "* ]] || die "$SERVE_CONFIG: unknown setting '$key' (known:$SERVE_KEYS)"
-    [[ -n "${!key:-}" ]] || printf -v "$key" '%s' "$value"
-  done < "$SERVE_CONFIG"
-fi
+SERVE_CONFIG=${SERVE_CONFIG:-configs/kimi-k25.yaml#serve}
+SETTINGS=$("$PYTHON" -m redraft config --stage serve --env "$SERVE_CONFIG") \
+  || die "SERVE_CONFIG=$SERVE_CONFIG: cannot be read (above)"
+while IFS= read -r line; do
+  [[ -z "$line" ]] && continue
+  key=${line%%=*}; value=${line#*=}
+  [[ "$SERVE_KEYS" == *" $key "* ]] || die "$SERVE_CONFIG: unknown setting '${key,,}' (known:${SERVE_KEYS,,})"
+  [[ -n "${!key:-}" ]] || printf -v "$key" '%s' "$value"
+done <<< "$SETTINGS"
 
 TARGET=${TARGET:-/models/Kimi-K2.5}
 DRAFT=${DRAFT:-/scratch/redraft/kimi-k25/export/sglang}

@@ -28,8 +28,9 @@ TRAIN_CONFIG=${TRAIN_CONFIG:-configs/demo/train.yaml}
 WINDOW=${WINDOW:-8GiB}
 
 # The window must hold the trainer's group of shards plus one: extraction checks it with the trainer's group.
-GROUP=$("$PYTHON" -c 'import sys, yaml; print((yaml.safe_load(open(sys.argv[1])) or {}).get("stream_group_shards", 4))' \
-        "$TRAIN_CONFIG") || die "$TRAIN_CONFIG: not readable as YAML"
+SETTINGS=$("$PYTHON" -m redraft config --stage train "$TRAIN_CONFIG") || die "$TRAIN_CONFIG: cannot be read (above)"
+GROUP=$(sed -n 's/^stream_group_shards: //p' <<< "$SETTINGS" | tail -n 1)
+GROUP=${GROUP:-4}
 
 "$PYTHON" -m extract --config "$EXTRACT_CONFIG" --out "$DATA" --window-bytes "$WINDOW" --stream-group-shards "$GROUP" &
 EXTRACT=$!

@@ -69,7 +69,7 @@ first_host() {
 
 if [[ -n "${SLURM_JOB_ID:-}" ]]; then
   IN_SLURM=1
-  CONFIG=${CONFIG:-configs/kimi-k25/train.yaml}
+  CONFIG=${CONFIG:-configs/kimi-k25.yaml}  # its train section; CONFIG=configs/kimi-k25.yaml#train-mla: the MLA drafter
   NNODES=${SLURM_NNODES:-${SLURM_JOB_NUM_NODES:-1}}
   GPUS=${SLURM_GPUS_ON_NODE:-${SLURM_GPUS_PER_NODE:-8}}
   GPUS_PER_NODE=${GPUS_PER_NODE:-${GPUS##*:}}  # "h100:8" -> 8

@@ -287,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
 def load_config(yaml_path: str | Path | None, overrides: list[str] | None = None) -> TrainConfig:
     """YAML file (keys = field names) then flags; every value is type-checked and validated (redraft.core.options)."""
     argv = (["--config", str(yaml_path)] if yaml_path else []) + list(overrides or [])
-    return options.parse(TrainConfig, argv, prog=PROG, description=DESCRIPTION)
+    return options.parse(TrainConfig, argv, prog=PROG, description=DESCRIPTION, section="train")
 
 
 def parse_cli(argv: list[str]) -> TrainConfig:
@@ -301,4 +301,4 @@ def parse_cli(argv: list[str]) -> TrainConfig:
             skip = "=" not in tok
         else:
             rest.append(tok)
-    return options.parse(TrainConfig, rest, prog=PROG, description=DESCRIPTION)
+    return options.parse(TrainConfig, rest, prog=PROG, description=DESCRIPTION, section="train")

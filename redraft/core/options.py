@@ -180,36 +180,68 @@ def build_parser(cls: type, *, prog: str, description: str, epilog: str | None =
         action.shown_default = _show(default)  # type: ignore[attr-defined]
     group = groups.get("config") or parser.add_argument_group("config")
     group.add_argument("--config", default=argparse.SUPPRESS, metavar="FILE.yaml",
-                       help="YAML file whose keys are these options' names (unknown keys are refused); flags "
-                            "override it")
+                       help="YAML file whose keys are these options' names (unknown keys are refused), or a "
+                            "target's one config (configs/kimi-k25.yaml: this stage's section, or FILE.yaml#STAGE's); "
+                            "flags override it")
     return parser
 
 
-def load_yaml(cls: type, path: str | Path) -> dict[str, Any]:
-    """A YAML config of ``cls``'s options, coerced; an unknown key is refused naming it and the file."""
-    path = Path(path)
+def load_yaml(cls: type, path: str | Path, section: str | None = None) -> dict[str, Any]:
+    """A YAML config of ``cls``'s options, coerced; an unknown key is refused naming it and the file.
+
+    ``path`` is a plain options file, or a target's one config (``configs/kimi-k25.yaml``: ``facts`` stated once
+    and a ``stages`` mapping with one section per stage), read at ``path#NAME``'s section or else at the
+    command's own ``section`` (:func:`config_section`)."""
+    where, mapping = config_section(path, section)
     hints = _hints(cls)
     fields = {f.name for f in dataclasses.fields(cls) if "group" in f.metadata}
     values: dict[str, Any] = {}
-    for key, value in read_yaml_mapping(path).items():
+    for key, value in mapping.items():
         name = str(key).replace("-", "_")
         if name not in fields:
-            raise ConfigError(f"{path}: unknown key {key!r} (known: {', '.join(sorted(fields))})")
-        values[name] = coerce(name, value, hints[name], str(path))
+            raise ConfigError(f"{where}: unknown key {key!r} (known: {', '.join(sorted(fields))})")
+        values[name] = coerce(name, value, hints[name], where)
     return values
 
 
+def config_section(path: str | Path, section: str | None = None) -> tuple[str, dict[str, Any]]:
+    """(where, the options mapping) of ``--config``: a plain file's mapping, or one stage's section of a target's
+    config (``FILE#NAME``, else ``section``: the command's own). One file per target holds every stage's settings;
+    the facts they share are written once under ``facts`` and referred to with YAML aliases (``*target``)."""
+    text = str(path)
+    file, _, named = text.partition("#") if "#" in text and not Path(text).is_file() else (text, "", "")
+    raw = read_yaml_mapping(Path(file))
+    if "stages" not in raw:
+        if named:
+            raise ConfigError(f"{file}: #{named} names a stage, but the file has no 'stages' mapping")
+        return file, raw
+    extra = sorted(set(raw) - {"stages", "facts"})
+    stages = raw["stages"]
+    if extra or not isinstance(stages, dict):
+        raise ConfigError(f"{file}: a target's config holds 'facts' and 'stages' only"
+                          + (f" (found {', '.join(map(str, extra))})" if extra else ""))
+    name = named or section
+    if name is None:
+        raise ConfigError(f"{file} holds the settings of several stages ({', '.join(stages)}): name one as "
+                          f"{file}#STAGE")
+    chosen = stages.get(name)
+    if not isinstance(chosen, dict):
+        raise ConfigError(f"{file}: no stage section {name!r} (sections: {', '.join(stages)})")
+    return f"{file}#{name}", chosen
+
+
 def parse(cls: type[T], argv: Sequence[str] | None, *, prog: str, description: str, epilog: str | None = None,
-          validate: bool = True) -> T:
-    """Defaults, then ``--config`` YAML, then flags; coerced, checked and (unless ``validate`` is False: what a
-    command reads to say where its refusal goes) validated. ``-h`` prints the help."""
+          validate: bool = True, section: str | None = None) -> T:
+    """Defaults, then ``--config`` YAML (a target's config: the ``section`` stage's settings, or ``FILE#NAME``'s),
+    then flags; coerced, checked and (unless ``validate`` is False: what a command reads to say where its refusal
+    goes) validated. ``-h`` prints the help."""
     argv = hyphenate_flags(list(sys.argv[1:] if argv is None else argv))
     parser = build_parser(cls, prog=prog, description=description, epilog=epilog)
     args = vars(parser.parse_args(argv))
     hints = _hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if "group" in f.metadata}
     config = args.pop("config", None)
-    values = load_yaml(cls, config) if config else {}
+    values = load_yaml(cls, config, section) if config else {}
     for name, value in args.items():
         values[name] = coerce(name, value, hints[name])
     for name, f in fields.items():

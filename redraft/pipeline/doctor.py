@@ -138,7 +138,7 @@ def judge(result: dict[str, Any], walk: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    opts = options.parse(PipelineDoctorOptions, argv, prog=PROG, description=DESCRIPTION)
+    opts = options.parse(PipelineDoctorOptions, argv, prog=PROG, description=DESCRIPTION, section="doctor")
     out = Path(opts.out)
     target = resolve_target(opts.target)
     created = not out.exists()

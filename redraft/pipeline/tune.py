@@ -152,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    opts = options.parse(PipelineTuneOptions, argv, prog=PROG, description=__doc__.split("\n")[0])
+    opts = options.parse(PipelineTuneOptions, argv, prog=PROG, description=__doc__.split("\n")[0], section="tune")
     target = resolve_target(opts.target)
     cfg = drafter_config(opts, target)  # a bad DRAFTER, or one --engine does not serve, is refused before anything runs
     out = Path(opts.out)

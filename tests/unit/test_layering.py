@@ -25,6 +25,7 @@ ALLOWED = {"redraft.core": {"redraft.core"},
            **{stage: BELOW_STAGES | {stage} for stage in STAGES},
            # pipeline reads serve.tune's option list; the command imports the stages by name when one runs
            "redraft.pipeline": BELOW_STAGES | {"redraft.pipeline", "serve"},
+           "redraft.settings": {"redraft.core", "redraft.settings"},  # `redraft config`
            "redraft.cli": {"redraft.cli"}}
 ROOMS = tuple(ALLOWED)
 LAUNCHES = {room: {room, *BELOW_STAGES} for room in ROOMS} | {"redraft.pipeline": set(ROOMS)}

@@ -79,12 +79,12 @@ def test_train_multinode_dry_run_without_scontrol(tmp_path):
         assert _opt(argv, "--config_file") == "configs/accelerate/multinode-zero2-bf16.yaml"
         script = argv.index("train/main.py")
         train_args = argv[script + 1:]
-        assert _opt(train_args, "--config") == "configs/kimi-k25/train.yaml"
+        assert _opt(train_args, "--config") == "configs/kimi-k25.yaml"
         assert _opt(train_args, "--resume") == "auto"
         assert _opt(train_args, "--data") == "/scratch/data" and _opt(train_args, "--out") == "/scratch/train"
         assert train_args[-2:] == ["--lr", "3e-5"]  # user arguments last, so they win
     assert (ROOT / "configs/accelerate/multinode-zero2-bf16.yaml").is_file()
-    assert (ROOT / "configs/kimi-k25/train.yaml").is_file()
+    assert (ROOT / "configs/kimi-k25.yaml").is_file()
 
 
 def test_train_uses_scontrol_when_present(tmp_path):

@@ -73,12 +73,12 @@ def test_shipped_train_configs_load():
     demo = load_config(ROOT / "configs/demo/train.yaml", ["--data", "d", "--out", "o"])
     assert (demo.hidden_size, demo.num_attention_heads, demo.num_key_value_heads, demo.head_dim,
             demo.intermediate_size, demo.dtype) == (576, 9, 3, 64, 768, "fp32")
-    kimi = load_config(ROOT / "configs/kimi-k25/train.yaml", ["--data", "d", "--out", "o"])
+    kimi = load_config(ROOT / "configs/kimi-k25.yaml", ["--data", "d", "--out", "o"])
     assert (kimi.hidden_size, kimi.num_attention_heads, kimi.num_key_value_heads, kimi.head_dim,
             kimi.intermediate_size, kimi.draft_vocab_size, kimi.lr, kimi.ttt_steps, kimi.max_length,
             kimi.max_position_embeddings, kimi.dtype) == (
         7168, 64, 64, 128, 18432, 32000, 5e-5, 7, 32768, 262144, "bf16")
-    mla = load_config(ROOT / "configs/kimi-k25/train-mla.yaml", ["--data", "d", "--out", "o"])
+    mla = load_config(ROOT / "configs/kimi-k25.yaml#train-mla", ["--data", "d", "--out", "o"])
     assert (mla.drafter_attention, mla.hidden_size, mla.num_attention_heads, mla.q_lora_rank, mla.kv_lora_rank,
             mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim, mla.intermediate_size) == (
         "mla", 7168, 64, 1536, 512, 128, 64, 128, 18432)  # Kimi-K2.5's text config
