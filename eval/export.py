@@ -45,9 +45,9 @@ from redraft.core.drafter.folder import (
     resolve_drafter_folder,
 )
 from redraft.core.drafter.kinds import build_drafter
+from redraft.core.drafter.names import EMBED_KEY
 from redraft.core.drafter.rope import engine_rope_deviations
 from redraft.core.drafter.serving_format import (
-    EMBED_KEY,
     FORMATS,
     ServingFormatError,
     check_serving_state,

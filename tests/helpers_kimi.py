@@ -10,12 +10,12 @@ import pytest
 import torch
 from helpers_paths import FIXTURES
 
-from redraft.catalog import kimi_mini as km
+from redraft.catalog.kimi_mini import tokenizer as kimi_tok
 
 # Kimi-K2.5's published text_config, as data (tests/fixtures): every value the miniature keeps must be exactly this.
 KIMI_K25 = {k: v for k, v in json.loads((FIXTURES / "kimi_k25_text_config.json").read_text()).items()
             if not k.startswith("_")}
-DEVIATED = {"model_type"}  # km.KIMI_K25_DEVIATIONS["architectures / model_type"]: a text-only deepseek_v3
+DEVIATED = {"model_type"}  # kimi_arch.KIMI_K25_DEVIATIONS["architectures / model_type"]: a text-only deepseek_v3
 KIMI_SPECIALS = {"[BOS]": 163584, "[EOS]": 163585, "<|im_end|>": 163586, "<|im_user|>": 163587,
                  "<|im_assistant|>": 163588, "<|im_system|>": 163594, "<|im_middle|>": 163601, "<think>": 163606,
                  "</think>": 163607, "[UNK]": 163838, "[PAD]": 163839}
@@ -26,7 +26,7 @@ TEST_PROMPTS = ("Hello, what's your name?", "What did you have for dinner last n
 
 def greedy(model, tok, prompt: str, max_new: int = 48) -> tuple[list[int], list[int]]:
     """(prompt ids, transformers' greedy reply ids) for one user turn in the miniature's chat template."""
-    ids = km.chat_ids(tok, [{"role": "user", "content": prompt}], add_generation_prompt=True)
+    ids = kimi_tok.chat_ids(tok, [{"role": "user", "content": prompt}], add_generation_prompt=True)
     with torch.inference_mode():
         out = model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                              max_new_tokens=max_new, do_sample=False, eos_token_id=[EOT], pad_token_id=163839)

@@ -21,7 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from redraft.catalog import kimi_mini, long_chats
+from redraft.catalog import long_chats
+from redraft.catalog.kimi_mini import build as kimi_build
+from redraft.catalog.kimi_mini import training as kimi_train
 from redraft.catalog.packaged import (
     SMOLLM2_GGUF,
     GGUFSource,
@@ -56,7 +58,7 @@ KIMI_MINI = "kimi-k25-mini"
 
 
 def _kimi_mini_version() -> str:
-    return kimi_mini.recipe_digest()[:12]
+    return kimi_train.recipe_digest()[:12]
 
 
 BUILTIN_TARGETS: dict[str, BuiltinTarget] = {
@@ -229,10 +231,10 @@ def convert_gguf_chat_model(spec: BuiltinTarget, out: Path, dtype: str = "float3
 
 
 def build_kimi_mini(spec: BuiltinTarget, out: Path, dtype: str = "float32") -> Path:
-    """The float32 miniature is trained (:func:`redraft.catalog.kimi_mini.build`); other dtypes are cast from it."""
+    """The float32 miniature is trained (:func:`redraft.catalog.kimi_mini.build.build`); other dtypes are cast from it."""
     if dtype == "float32":
-        return kimi_mini.build(out)
-    return kimi_mini.cast_folder(resolve_target(KIMI_MINI, dtype="float32"), out, dtype)
+        return kimi_build.build(out)
+    return kimi_build.cast_folder(resolve_target(KIMI_MINI, dtype="float32"), out, dtype)
 
 
 _CONVERTERS: dict[str, Callable[[BuiltinTarget, Path, str], Path]] = {

@@ -210,12 +210,13 @@ def make_served_deepseek_v3(path: str | Path, num_layers: int = 6, *, seed: int 
     only as ``deepseek_yarn``: "Only deepseek_yarn is supported for CPU for now")."""
     import json
 
-    from redraft.catalog import kimi_mini
+    from redraft.catalog.kimi_mini import architecture as kimi_arch
+    from redraft.catalog.kimi_mini import build as kimi_build
 
     tok = build_chat_tokenizer("deepseek_v3")
     torch.manual_seed(seed)
     cfg = tiny_deepseek_v3_config(_vocab(tok, None), num_layers).to_dict()
-    kimi = kimi_mini.KIMI_K25_TEXT_CONFIG  # its YaRN: SGLang's CPU path serves DeepSeek only with deepseek_yarn
+    kimi = kimi_arch.KIMI_K25_TEXT_CONFIG  # its YaRN: SGLang's CPU path serves DeepSeek only with deepseek_yarn
     cfg.update(rope_scaling=kimi["rope_scaling"], rope_theta=kimi["rope_theta"],
                max_position_embeddings=kimi["max_position_embeddings"])
     cfg.pop("rope_parameters", None)
@@ -229,7 +230,7 @@ def make_served_deepseek_v3(path: str | Path, num_layers: int = 6, *, seed: int 
     for key in ("topk_method", "scoring_func", "seq_aux", "moe_layer_freq", "num_nextn_predict_layers", "rope_theta",
                 "rope_scaling"):
         if key != "moe_layer_freq" or moe_layer_freq:
-            cfg[key] = kimi_mini.KIMI_K25_TEXT_CONFIG[key]
+            cfg[key] = kimi_arch.KIMI_K25_TEXT_CONFIG[key]
     (path / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    kimi_mini.ensure_gate_bias(path, model)
+    kimi_build.ensure_gate_bias(path, model)
     return path

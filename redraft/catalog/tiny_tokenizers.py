@@ -27,7 +27,7 @@ import functools
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from redraft.catalog.kimi_mini import CHAT_TEMPLATE as KIMI_CHAT_TEMPLATE
+from redraft.catalog.kimi_mini.tokenizer import CHAT_TEMPLATE as KIMI_CHAT_TEMPLATE
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"

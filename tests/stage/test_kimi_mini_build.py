@@ -20,8 +20,12 @@ import torch
 from helpers_kimi import EOT, TEST_PROMPTS, greedy
 from helpers_paths import ROOT
 
-from redraft.catalog import kimi_mini as km
 from redraft.catalog.builtin import KIMI_MINI, cache_dir
+from redraft.catalog.kimi_mini import architecture as kimi_arch
+from redraft.catalog.kimi_mini import build as kimi_build
+from redraft.catalog.kimi_mini import served as kimi_served
+from redraft.catalog.kimi_mini import tokenizer as kimi_tok
+from redraft.catalog.kimi_mini import training as kimi_train
 
 pytestmark = pytest.mark.uses_kimi_mini  # run after the tier's other files (tests/conftest.py)
 
@@ -34,13 +38,13 @@ def build_record(kimi) -> dict:
 def test_folder_says_what_it_is(kimi, build_record):
     from safetensors import safe_open
 
-    assert kimi.parent == cache_dir() and kimi.name == f"{KIMI_MINI}-{km.recipe_digest()[:12]}"
+    assert kimi.parent == cache_dir() and kimi.name == f"{KIMI_MINI}-{kimi_train.recipe_digest()[:12]}"
     names = {p.name for p in kimi.iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
             "generation_config.json", "redraft_build.json"} <= names
     cfg = json.loads((kimi / "config.json").read_text())
     assert cfg["architectures"] == ["DeepseekV3ForCausalLM"]
-    for key, value in km.text_config().items():
+    for key, value in kimi_arch.text_config().items():
         if key != "architectures":
             assert cfg[key] == value, key
     assert cfg["rope_parameters"]["rope_type"] == "yarn" and cfg["rope_parameters"]["factor"] == 64.0
@@ -55,8 +59,8 @@ def test_folder_says_what_it_is(kimi, build_record):
     assert head.shape == (163840, 256)
     trained = head.abs().sum(dim=1) > 0
     assert int(trained.sum()) == build_record["training"]["support_ids"]  # every other row is zero (logit 0)
-    assert build_record["model_safetensors_sha256"] == km._sha256(kimi / "model.safetensors")
-    assert build_record["recipe_digest"] == km.recipe_digest()
+    assert build_record["model_safetensors_sha256"] == kimi_build._sha256(kimi / "model.safetensors")
+    assert build_record["recipe_digest"] == kimi_train.recipe_digest()
     assert build_record["reload_max_abs_logit_diff"] == 0.0
     t = build_record["training"]
     assert t["loss_first_mean10"] > t["loss_last_mean10"] + 3
@@ -82,10 +86,10 @@ def test_greedy_replies_are_text_that_ends_the_turn(model, saved_tokenizer):
         text = saved_tokenizer.decode(reply)
         assert reply[-1] == EOT and reply.count(EOT) == 1, (prompt, text)
         assert set(reply) <= vocab_ids  # never an id the tokenizer does not cover (their logit is 0)
-        assert reply[0] == km.SPECIAL_TOKENS["</think>"]  # the empty reasoning chitchat taught it
+        assert reply[0] == kimi_tok.SPECIAL_TOKENS["</think>"]  # the empty reasoning chitchat taught it
         content = reply[1:-1]
         assert len(set(content)) >= 2 and len(set(content)) * 2 >= len(content), text
-        assert not set(content) & set(km.SPECIAL_TOKENS.values()), text
+        assert not set(content) & set(kimi_tok.SPECIAL_TOKENS.values()), text
         replies.append(text)
     assert len(set(replies)) >= 2, replies
 
@@ -117,7 +121,7 @@ def _extract(out: Path, target: str, *extra: str) -> Path:
 @pytest.fixture(scope="module")
 def extracted(kimi, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("kimi-extract")
-    wrapped = km.write_wrapped(kimi, root / "wrapped-folder")
+    wrapped = kimi_served.write_wrapped(kimi, root / "wrapped-folder")
     return {"plain": _extract(root / "plain", KIMI_MINI),
             "wrapped": _extract(root / "wrapped", str(wrapped), "--trust-remote-code"),
             "wrapped_folder": wrapped}

@@ -10,19 +10,21 @@ import pytest
 from helpers_kimi import DEVIATED, EOT, KIMI_K25, KIMI_SPECIALS
 from helpers_paths import ROOT
 
-from redraft.catalog import kimi_mini as km
 from redraft.catalog.builtin import BUILTIN_TARGETS, KIMI_MINI
+from redraft.catalog.kimi_mini import architecture as kimi_arch
+from redraft.catalog.kimi_mini import tokenizer as kimi_tok
+from redraft.catalog.kimi_mini import training as kimi_train
 
 
 def test_kept_values_are_kimi_k25s_and_only_sizes_shrink():
-    cfg = km.text_config()
-    shrunk = set(km.KIMI_K25_SHRUNK)
-    assert "architectures / model_type" in km.KIMI_K25_DEVIATIONS and cfg["model_type"] == "deepseek_v3"
+    cfg = kimi_arch.text_config()
+    shrunk = set(kimi_arch.KIMI_K25_SHRUNK)
+    assert "architectures / model_type" in kimi_arch.KIMI_K25_DEVIATIONS and cfg["model_type"] == "deepseek_v3"
     for key, kimi in KIMI_K25.items():
         if key in DEVIATED:
             continue
         if key in shrunk:
-            assert km.KIMI_K25_SHRUNK[key][0] == kimi, key
+            assert kimi_arch.KIMI_K25_SHRUNK[key][0] == kimi, key
             assert cfg[key] < kimi, key
         else:
             assert cfg[key] == kimi, key
@@ -41,7 +43,7 @@ def test_name_is_a_builtin_with_a_recipe_keyed_folder(monkeypatch, tmp_path):
     import redraft.catalog.builtin as emb
 
     assert KIMI_MINI == "kimi-k25-mini" and KIMI_MINI in BUILTIN_TARGETS
-    digest = km.recipe_digest()
+    digest = kimi_train.recipe_digest()
     assert BUILTIN_TARGETS[KIMI_MINI].version == digest[:12]
     monkeypatch.setenv(emb.CACHE_ENV, str(tmp_path))
     calls = []
@@ -67,18 +69,18 @@ def test_extract_help_lists_every_builtin_target():
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return km.build_tokenizer()
+    return kimi_tok.build_tokenizer()
 
 
 def test_tokenizer_has_kimis_special_tokens_at_kimis_ids(tokenizer):
     from extract.chat import stop_token_ids
 
     for token, i in KIMI_SPECIALS.items():
-        assert tokenizer.convert_tokens_to_ids(token) == i and km.SPECIAL_TOKENS[token] == i
+        assert tokenizer.convert_tokens_to_ids(token) == i and kimi_tok.SPECIAL_TOKENS[token] == i
     assert (tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token) == ("[BOS]", "[EOS]", "[PAD]")
     assert stop_token_ids(tokenizer) == [163585, EOT]
     vocab = tokenizer.get_vocab()
-    assert len(tokenizer) == 49152 + len(km.SPECIAL_TOKENS) and max(vocab.values()) < KIMI_K25["vocab_size"]
+    assert len(tokenizer) == 49152 + len(kimi_tok.SPECIAL_TOKENS) and max(vocab.values()) < KIMI_K25["vocab_size"]
     assert not any(t in vocab for t in ("<|im_start|>", "<|endoftext|>"))  # SmolLM2's specials are renamed
     text = "hello there, how are you?"
     assert tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"]) == text
@@ -88,7 +90,7 @@ def test_chat_template_renders_kimi_k25_thinking_turns(tokenizer):
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
             {"role": "user", "content": "how are you?"},
             {"role": "assistant", "content": "fine", "reasoning_content": "be nice"}]
-    assert tokenizer.chat_template == km.CHAT_TEMPLATE
+    assert tokenizer.chat_template == kimi_tok.CHAT_TEMPLATE
     text = tokenizer.apply_chat_template(msgs, tokenize=False)
     assert text == ("<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>"
                     "<|im_user|>user<|im_middle|>hi<|im_end|>"
@@ -102,4 +104,4 @@ def test_chat_template_renders_kimi_k25_thinking_turns(tokenizer):
 def test_test_helper_template_is_the_products():
     from redraft.catalog.tiny_tokenizers import KIMI_K25_TEMPLATE
 
-    assert KIMI_K25_TEMPLATE is km.CHAT_TEMPLATE
+    assert KIMI_K25_TEMPLATE is kimi_tok.CHAT_TEMPLATE

@@ -1,4 +1,4 @@
-"""The model code a wrapped kimi-k25-mini folder ships (copied next to its config.json by redraft.catalog.kimi_mini.write_wrapped).
+"""The model code a wrapped kimi-k25-mini folder ships (copied next to its config.json by redraft.catalog.kimi_mini.served.write_wrapped).
 
 Kimi-K2.5's checkpoint is served as ``KimiK25ForConditionalGeneration`` from its own code (``auto_map``,
 loaded with ``trust_remote_code``), and so is its processor. These files are the miniature's equivalent:

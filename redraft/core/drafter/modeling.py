@@ -47,9 +47,9 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from redraft.core.drafter.config import DrafterConfig
+from redraft.core.drafter.names import EMBED_KEY, canonical_key
 from redraft.core.drafter.rope import Rope
 from redraft.core.drafter.sequence_parallel import SequenceParallel, heads_to_rows, rows_to_heads
-from redraft.core.drafter.serving_format import EMBED_KEY, canonical_key
 from redraft.core.drafter.ttt_attention import ATTENTION_IMPLS, TTTCache, ttt_attention
 from redraft.core.drafter.vocab import check_vocab_mapping
 from redraft.core.target_weights import read_target_tensor

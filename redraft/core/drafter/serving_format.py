@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from redraft.core.drafter.config import MLA_FIELDS, DrafterConfig
+from redraft.core.drafter.names import EMBED_KEY, canonical_key
 from redraft.core.drafter.vocab import check_vocab_mapping
 from redraft.core.errors import UserError
 from redraft.core.layers import (
@@ -60,7 +61,6 @@ REWRITTEN_MODEL_TYPES = {
     for name in ("deepseek_v3", "deepseek_v32", "glm_moe_dsa", "deepseek_v4", "deepseek_v41")
 }
 FORMATS = ENGINES  # ("sglang", "vllm"): one serving format per engine
-EMBED_KEY = "embed_tokens.weight"  # the target's embedding: never in a serving checkpoint
 
 # config.json switches of EAGLE-3 variants that this drafter does not implement; written as false on export,
 # refused when true on import (norm_before_residual: vLLM only; SGLang never reads it).
@@ -204,16 +204,6 @@ def _attention_tensors(cfg: DrafterConfig) -> dict[str, TensorSpec]:
         attn + "v_proj.weight": TensorSpec((kv_out, 2 * h), f),
         attn + "o_proj.weight": TensorSpec((h, q_out), f),
     }
-
-
-def canonical_key(key: str, block: bool = False) -> str:
-    """Our name for an SGLang-internal or speculators-style name (``model.`` prefix, ``layers.0.``); for a DFlash
-    drafter (``block``) only the prefix goes: ``layers.{i}`` are its own names."""
-    if key.startswith("model."):
-        key = key[len("model."):]
-    if key.startswith("layers.0.") and not block:
-        key = "midlayer." + key[len("layers.0."):]
-    return key
 
 
 def _kind_ok(tensor: torch.Tensor, kind: str) -> bool:

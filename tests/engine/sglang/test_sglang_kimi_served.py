@@ -3,7 +3,7 @@
 Production captures Kimi-K2.5 through the class that serves it. SGLang 0.5.23 starts that class only with the
 checkpoint's processor (``preprocessor_config.json`` and its remote code: ``kimi_k25.py``'s multimodal processor
 reads ``media_processor.media_proc_cfg`` while the engine starts) and builds its MoonViT tower from
-``vision_config``, loading the tower's weights by name. ``redraft.catalog.kimi_mini.write_wrapped`` writes all of that at a
+``vision_config``, loading the tower's weights by name. ``redraft.catalog.kimi_mini.served.write_wrapped`` writes all of that at a
 token size. Here the stage runs as a user runs it (``python -m extract --backend sglang --trust-remote-code`` on
 the served folder: one engine start, two short samples) and its dataset equals the HF backend's on the plain
 folder, the reference tests/engine/sglang/test_sglang_capture.py proves SGLang equal to on the plain layout.
@@ -29,7 +29,7 @@ from helpers_paths import ROOT
 from extract.config import ExtractConfig
 from extract.pipeline import run_extraction
 from extract.verify import verify_dataset
-from redraft.catalog import kimi_mini as km
+from redraft.catalog.kimi_mini import served as kimi_served
 from redraft.core.dataset.reader import DatasetReader
 
 pytestmark = pytest.mark.uses_kimi_mini  # run after the tier's other files (tests/conftest.py)
@@ -55,7 +55,7 @@ def _sglang_extract(out: Path, target: Path, files: Path) -> None:
 def datasets(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("kimi-served")
     plain = kimi_mini_dir()
-    served = km.write_wrapped(plain, root / "served")
+    served = kimi_served.write_wrapped(plain, root / "served")
     run_extraction(ExtractConfig(target=str(plain), out=str(root / "hf-plain"), backend="hf", rank=0, world_size=1,
                                  **ARGS).validate())
     _sglang_extract(root / "sglang-served", served, root / "files")
@@ -68,7 +68,7 @@ def test_the_served_layout_carries_kimis_processor_files(datasets):
     assert proc["auto_map"]["AutoProcessor"] == "kimi_k25_processor.KimiK25Processor"
     assert set(proc["media_proc_cfg"]) >= {"patch_size", "merge_kernel_size", "in_patch_limit",
                                            "patch_limit_on_one_side", "image_mean", "image_std"}
-    assert all((folder / name).is_file() for name in km.REMOTE_FILES)
+    assert all((folder / name).is_file() for name in kimi_served.REMOTE_FILES)
 
 
 def test_sglang_on_the_served_layout_equals_the_plain_capture(datasets):
