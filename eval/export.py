@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import shutil
+import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -475,13 +476,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# serve {result.out} ({ecfg.format}):")
     print(result.command)
     if ecfg.verify_with:
-        from eval.verify_engine import run_verification
-
         if ecfg.verify_with != ecfg.format:
             log.warning("--verify-with %s on a %s export: loading is checked, but serve it with %s",
                         ecfg.verify_with, ecfg.format, ecfg.format)
-        return run_verification(result.out, ecfg.verify_with)
+        return verify_in_engine(result.out, ecfg.verify_with)
     return 0
+
+
+def verify_in_engine(folder: Path, engine: str) -> int:
+    """``python -m eval.verify_engine FOLDER --engine ENGINE`` as its own process (an engine's globals stay out of
+    this one), its report printed here; its exit code (0 PASS, 1 FAIL, 2 could not run)."""
+    proc = subprocess.run([sys.executable, "-m", "eval.verify_engine", str(folder), "--engine", engine],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False)
+    print(proc.stdout, end="")
+    return proc.returncode
 
 
 def cli(argv: list[str] | None = None) -> int:

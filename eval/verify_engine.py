@@ -129,14 +129,6 @@ def build_parser() -> argparse.ArgumentParser:
     return options.build_parser(VerifyEngineOptions, prog=PROG, description=__doc__.split("\n\n")[0])
 
 
-def run_verification(folder: str | Path, engine: str, *, context_length: int | None = None,
-                     verbose: bool = False) -> int:
-    """``eval.export --verify-with ENGINE``: the check of one engine on ``folder``; 0 PASS, 1 FAIL, 2 could not run."""
-    args = [str(folder), "--engine", engine, *(["--context-length", str(context_length)] if context_length else []),
-            *(["--verbose"] if verbose else [])]
-    return main(args)
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:

@@ -189,7 +189,7 @@ def _engine_importable(engine: str) -> bool:
 @pytest.mark.skipif(_engine_importable("sglang"), reason="sglang is installed here")
 def test_verify_says_the_engine_is_missing(tmp_path, capsys):
     ckpt = tiny_checkpoint(tmp_path / "ckpt", tiny_cfg())
-    assert ve.run_verification(ckpt, "sglang") == 2
+    assert ve.main([str(ckpt), "--engine", "sglang"]) == 2
     assert "VERDICT sglang ERROR: sglang is not importable here" in capsys.readouterr().out
 
 
