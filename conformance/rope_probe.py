@@ -43,8 +43,6 @@ import socket
 import sys
 from typing import Any
 
-from redraft.core import cli as ending
-
 os.environ.setdefault("SGLANG_ROPE_CACHE_FP32", "1")  # SGLang keeps the cache fp32 on CUDA; on CPU only with this
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
@@ -297,4 +295,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(ending.run(main, logging.getLogger("conformance.rope_probe")))
+    sys.exit(main())
