@@ -271,7 +271,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def cli(argv: list[str] | None = None) -> int:
     """The command line: ``main`` ended as redraft.core.cli ends every command (one line and exit 2 on a mistake)."""
-    # ValueError too: the drafter and layer rules (redraft.core.drafter, redraft.core.layers) refuse by key with it
     return ending.run(lambda: main(argv), logging.getLogger("eval.engine_truth"))
 
 

@@ -42,7 +42,7 @@ fi
 [[ -x "$PYTHON" ]] || die "PYTHON=$PYTHON is not an executable interpreter; set PYTHON (or REDRAFT_ENGINE_PYTHON) to the python of the venv that has redraft and its engine"
 
 # The engine the run needs: --backend on the command line, else the config's backend key (hf by default).
-SETTINGS=$("$PYTHON" -m redraft config --stage extract "$CONFIG") || die "CONFIG=$CONFIG: cannot be read (above)"
+SETTINGS=$("$PYTHON" -m redraft config "$CONFIG" --stage extract) || die "CONFIG=$CONFIG: cannot be read (above)"
 BACKEND=$(sed -n 's/^backend: \([a-z]*\)$/\1/p' <<< "$SETTINGS" | tail -n 1)
 for ((i = 1; i <= $#; i++)); do
   arg=${!i}

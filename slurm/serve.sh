@@ -50,7 +50,8 @@ die() { log "error: $*"; exit 2; }
 # and the options win.
 SERVE_KEYS=" TARGET DRAFT TP HOST PORT MAX_RUNNING_REQUESTS CUDA_GRAPH_MAX_BS SPEC_STEPS SPEC_TOPK SPEC_DRAFT_TOKENS CONTEXT_LENGTH "
 SERVE_CONFIG=${SERVE_CONFIG:-configs/kimi-k25.yaml#serve}
-SETTINGS=$("$PYTHON" -m redraft config --stage serve --env "$SERVE_CONFIG") \
+[[ -x "$PYTHON" ]] || die "PYTHON=$PYTHON is not an executable interpreter; set PYTHON (or REDRAFT_ENGINE_PYTHON) to the python of the venv with redraft[sglang]"
+SETTINGS=$("$PYTHON" -m redraft config "$SERVE_CONFIG" --stage serve --env) \
   || die "SERVE_CONFIG=$SERVE_CONFIG: cannot be read (above)"
 while IFS= read -r line; do
   [[ -z "$line" ]] && continue
@@ -163,7 +164,6 @@ if [[ "$DRY_RUN" == 1 ]]; then
   echo "${CMD[*]}"
   exit 0
 fi
-[[ -x "$PYTHON" ]] || die "PYTHON=$PYTHON is not an executable interpreter; set PYTHON (or REDRAFT_ENGINE_PYTHON) to the python of the venv with redraft[sglang]"
 "$PYTHON" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('sglang') is None)" \
   || die "$PYTHON has no SGLang; set PYTHON (or REDRAFT_ENGINE_PYTHON) to the python of the venv with redraft[sglang]"
 log "$MODE server on $(hostname):$PORT (loading Kimi-K2.5 takes 5-10 minutes); benchmark it with"

@@ -28,7 +28,7 @@ TRAIN_CONFIG=${TRAIN_CONFIG:-configs/demo/train.yaml}
 WINDOW=${WINDOW:-8GiB}
 
 # The window must hold the trainer's group of shards plus one: extraction checks it with the trainer's group.
-SETTINGS=$("$PYTHON" -m redraft config --stage train "$TRAIN_CONFIG") || die "$TRAIN_CONFIG: cannot be read (above)"
+SETTINGS=$("$PYTHON" -m redraft config "$TRAIN_CONFIG" --stage train) || die "$TRAIN_CONFIG: cannot be read (above)"
 GROUP=$(sed -n 's/^stream_group_shards: //p' <<< "$SETTINGS" | tail -n 1)
 GROUP=${GROUP:-4}
 

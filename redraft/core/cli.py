@@ -14,12 +14,17 @@ from typing import Any
 
 from redraft.core.errors import Failure, UserError
 
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
-def run(main: Callable[[], Any], log: logging.Logger) -> int:
+
+def run(main: Callable[[], Any], log: logging.Logger, log_format: str = LOG_FORMAT) -> int:
     """Call ``main``; its exit code when it returns one (an int), else 0; 2 on a ``UserError`` (one line), the
-    failure's code on a ``Failure`` (one line); anything else is raised (a bug: its traceback, exit 1)."""
+    failure's code on a ``Failure`` (one line); anything else is raised (a bug: its traceback, exit 1).
+
+    Logging is set up here, before ``main`` (INFO, ``log_format``), unless something already did: a command with
+    a format of its own passes it, since a ``basicConfig`` inside ``main`` is then too late to count."""
     if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logging.basicConfig(level=logging.INFO, format=log_format)
     try:
         rc = main()
     except (UserError, FileNotFoundError, NotADirectoryError) as e:

@@ -262,7 +262,8 @@ def parse(cls: type[T], argv: Sequence[str] | None, *, prog: str, description: s
     return instance
 
 
-def _flag_value(value: Any) -> str:
+def flag_value(value: Any) -> str:
+    """``value`` as a flag takes it (lists comma-joined, mappings as JSON): what :func:`parse` reads back."""
     if value is None:
         return "none"
     if isinstance(value, bool):
@@ -292,5 +293,5 @@ def to_argv(instance: Any, cls: type | None = None, *, skip: Sequence[str] = ())
             f.default_factory() if f.default_factory is not MISSING else MISSING)  # type: ignore[misc]
         if default is not MISSING and value == default:
             continue
-        flags += ["--" + f.name.replace("_", "-"), _flag_value(value)]
+        flags += ["--" + f.name.replace("_", "-"), flag_value(value)]
     return positional + flags
