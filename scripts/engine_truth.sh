@@ -146,7 +146,8 @@ make_smollm2_inputs() {
             echo "  reusing the demo drafter $DRAFTER/$(cat "$DRAFTER/latest")"
         else
             echo "  training the demo drafter (scripts/demo.sh, log $WORK/demo.log)"
-            if ! DEMO_OUT="$WORK/demo" DEMO_PROCS="${ENGINE_TRUTH_DEMO_PROCS:-1}" PYTHON="$PY" bash scripts/demo.sh \
+            if ! DEMO_OUT="$WORK/demo" DEMO_PROCS="${ENGINE_TRUTH_DEMO_PROCS:-1}" DEMO_TTT_STEPS="${ENGINE_TRUTH_TTT_STEPS:-}" \
+                    PYTHON="$PY" bash scripts/demo.sh \
                     >"$WORK/demo.log" 2>&1; then
                 tail -n 40 "$WORK/demo.log" | sed 's/^/  /'; echo "engine-truth: the demo failed" >&2; exit 1
             fi
@@ -262,12 +263,15 @@ make_kimi_inputs() {
     done_phase k-eval
 }
 
-# train_once NAME RUN ARGS...: train/main.py ARGS --out RUN, reused when RUN holds a complete checkpoint
+# train_once NAME RUN ARGS...: train/main.py ARGS --out RUN, reused when RUN holds a complete checkpoint;
+# ENGINE_TRUTH_TTT_STEPS (unset: each config's own) comes first, so a recipe's own --ttt-steps (DFlash's block) wins
 train_once() {
-    local name=$1 run=$2; shift 2
+    local name=$1 run=$2 ttt=(); shift 2
+    [ -z "${ENGINE_TRUTH_TTT_STEPS:-}" ] || ttt=(--ttt-steps "$ENGINE_TRUTH_TTT_STEPS")
     if has_checkpoint "$run"; then
         echo "  reusing $run/$(cat "$run/latest")"
-    elif ! "$PY" train/main.py "$@" --out "$run" --resume auto --report-to none >"$WORK/$name.log" 2>&1; then
+    elif ! "$PY" train/main.py ${ttt[@]+"${ttt[@]}"} "$@" --out "$run" --resume auto --report-to none \
+            >"$WORK/$name.log" 2>&1; then
         tail -n 40 "$WORK/$name.log" | sed 's/^/  /'; echo "engine-truth: training $run failed" >&2; exit 1
     fi
     grep -E "redraft train done" "$WORK/$name.log" 2>/dev/null | sed "s/^/  /" || true
