@@ -465,9 +465,8 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
         log.error("%s", e)
         return 2
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.WARNING if "-q" in argv or "--quiet" in argv else logging.INFO,
-                            format="%(levelname)s %(name)s: %(message)s")
+    ending.configure_logging(logging.WARNING if "-q" in argv or "--quiet" in argv else logging.INFO,
+                             "%(levelname)s %(name)s: %(message)s")
     try:
         result = export_checkpoint(ecfg)
     except (ExportError, ServingFormatError) as e:  # the input's fault, named by file and key

@@ -192,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    ending.configure_logging(logging.WARNING, "%(levelname)s %(name)s: %(message)s")
     try:
         args = options.parse(VerifyOptions, argv, prog=PROG, description=DESCRIPTION, section="verify")
     except ConfigError as e:

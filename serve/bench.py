@@ -345,8 +345,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ending.configure_logging(logging.DEBUG if args.verbose else logging.INFO)
     try:
         cfg = config_from_args(args)
         report = asyncio.run(run_benchmark(cfg))

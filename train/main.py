@@ -117,13 +117,10 @@ def cosine_with_warmup(total_steps: int, warmup_ratio: float, min_ratio: float):
 
 
 def setup_logging(rank: int, main_process: bool) -> None:
-    """INFO on rank 0, warnings elsewhere; leaves an existing configuration (pytest, a caller) alone."""
-    if logging.getLogger().handlers:
-        return
-    logging.basicConfig(
-        level=logging.INFO if main_process else logging.WARNING,
-        format=f"%(asctime)s [rank{rank}] %(name)s %(levelname)s: %(message)s",
-    )
+    """INFO on rank 0, warnings elsewhere, each line tagged with its rank; a set-up someone else made (pytest, a
+    caller) is left alone (redraft.core.cli.configure_logging)."""
+    ending.configure_logging(logging.INFO if main_process else logging.WARNING,
+                             f"%(asctime)s [rank{rank}] %(name)s %(levelname)s: %(message)s")
 
 
 # ============================================================================ parts

@@ -16,15 +16,20 @@ from redraft.core.errors import Failure, UserError
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
+_RUN_HANDLERS: list[logging.Handler] = []  # the handler run() installed, which configure_logging may retune
+
 
 def run(main: Callable[[], Any], log: logging.Logger, log_format: str = LOG_FORMAT) -> int:
     """Call ``main``; its exit code when it returns one (an int), else 0; 2 on a ``UserError`` (one line), the
     failure's code on a ``Failure`` (one line); anything else is raised (a bug: its traceback, exit 1).
 
-    Logging is set up here, before ``main`` (INFO, ``log_format``), unless something already did: a command with
-    a format of its own passes it, since a ``basicConfig`` inside ``main`` is then too late to count."""
-    if not logging.getLogger().handlers:
+    Logging is set up here, before ``main`` (INFO, ``log_format``), unless something already did, so that even a
+    mistake found while parsing gets its line. A command that learns its level or format later (``-q``, a rank)
+    calls :func:`configure_logging`, which retunes this set-up; a ``basicConfig`` inside ``main`` would not count."""
+    root = logging.getLogger()
+    if not root.handlers:
         logging.basicConfig(level=logging.INFO, format=log_format)
+        _RUN_HANDLERS[:] = root.handlers[:1]
     try:
         rc = main()
     except (UserError, FileNotFoundError, NotADirectoryError) as e:
@@ -40,3 +45,15 @@ def _one_line(e: BaseException) -> str:
     if isinstance(e, OSError) and e.filename is not None and e.strerror:
         return f"{e.filename}: {e.strerror}"
     return str(e)
+
+
+def configure_logging(level: int = logging.INFO, log_format: str = LOG_FORMAT) -> None:
+    """A command's own level and format, once it knows them (a quiet flag, a rank's tag): set up when nothing is,
+    retuned when :func:`run` set it up; a set-up someone else made (pytest, a program calling ``main``) is theirs."""
+    root = logging.getLogger()
+    if not root.handlers:
+        logging.basicConfig(level=level, format=log_format)
+    elif any(h in root.handlers for h in _RUN_HANDLERS):
+        root.setLevel(level)
+        for handler in _RUN_HANDLERS:
+            handler.setFormatter(logging.Formatter(log_format))

@@ -510,3 +510,22 @@ def test_export_of_a_trained_run_finds_its_target_through_the_record(tmp_path, c
     cfg, back = load_drafter_checkpoint(out)
     ref_cfg, ref = load_drafter_checkpoint(run / "step-0000002")
     assert cfg == ref_cfg and all(torch.equal(back[k], ref[k]) for k in ref)
+
+
+@pytest.mark.parametrize("quiet", [False, True])
+def test_the_command_line_is_quiet_when_asked(tmp_path, quiet):
+    """`python -m eval.export ... -q` through the runner every command ends by (redraft.core.cli.run sets logging up
+    before main): the export's INFO line only without -q, the serving command either way."""
+    import subprocess
+    import sys
+
+    from helpers_paths import ROOT
+
+    src = tmp_path / "step-0000007"
+    write_ckpt(src)
+    res = subprocess.run([sys.executable, "-m", "eval.export", str(src), str(tmp_path / "out"), "--format", "vllm",
+                          "--dtype", "fp32", *(["-q"] if quiet else [])], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "vllm serve" in res.stdout
+    assert any("INFO" in line.split() and ": exported " in line for line in res.stderr.splitlines()) is not quiet

@@ -15,6 +15,7 @@ import ast
 from pathlib import Path
 
 import pytest
+from helpers_imports import import_graph, module_files
 from helpers_paths import ROOT
 
 STAGES = ("extract", "train", "eval", "serve")
@@ -36,16 +37,6 @@ def room_of(module: str) -> str | None:
     parts = module.split(".")
     name = ".".join(parts[:2]) if parts[0] == "redraft" else parts[0]
     return name if name in ALLOWED else None
-
-
-def _imported_rooms(tree: ast.AST) -> set[str]:
-    found: set[str | None] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            found |= {room_of(alias.name) for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found.add(room_of(node.module))
-    return {r for r in found if r}
 
 
 def launched_modules(tree: ast.AST) -> set[str]:
@@ -75,10 +66,15 @@ def test_every_module_is_in_a_room():
     assert not outside
 
 
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    return import_graph(module_files(ROOT))  # the graph test_house holds circles over: one reading of the imports
+
+
 @pytest.mark.parametrize("room", ROOMS)
-def test_imports_point_down(room):
-    wrong = {str(p.relative_to(ROOT)): sorted(_imported_rooms(ast.parse(p.read_text())) - ALLOWED[room])
-             for p in _files(room)}
+def test_imports_point_down(room, graph):
+    wrong = {mod: sorted({room_of(d) for d in deps} - {None} - ALLOWED[room])
+             for mod, deps in graph.items() if room_of(mod) == room}
     assert not {k: v for k, v in wrong.items() if v}, f"{room} imports a room on its floor or above"
 
 

@@ -280,3 +280,17 @@ def test_accelerate_configs_point_at_deepspeed_json_without_mixed_precision(name
     ds = json.loads((ROOT / cfg["deepspeed_config"]["deepspeed_config_file"]).read_text())
     assert ds["zero_optimization"]["stage"] == 2 and ds["zero_allow_untested_optimizer"] is True
     assert ds.get("bf16", {}).get("enabled", False) is ("bf16" in name)
+
+
+def test_a_rank_logs_at_its_own_level_and_tag_through_the_runner():
+    """train's command ends through redraft.core.cli.run, which sets logging up before main: a rank's level
+    (warnings only off the main process) and its [rankN] tag must still take effect, and rank 0 keeps INFO."""
+    code = ("import logging\nfrom redraft.core import cli\nfrom train.main import setup_logging\n"
+            "log = logging.getLogger('train.t')\n"
+            "def main(rank):\n    setup_logging(rank, rank == 0)\n    log.info('info %d', rank)\n"
+            "    log.warning('warn %d', rank)\n"
+            "import sys\nsys.exit(cli.run(lambda: main(int(sys.argv[1])), log))\n")
+    err = {rank: subprocess.run([sys.executable, "-c", code, str(rank)], cwd=ROOT, capture_output=True, text=True,
+                                timeout=120, check=True).stderr for rank in (0, 1)}
+    assert "[rank0] train.t INFO: info 0" in err[0] and "[rank0] train.t WARNING: warn 0" in err[0]
+    assert "info 1" not in err[1] and "[rank1] train.t WARNING: warn 1" in err[1]
