@@ -34,7 +34,8 @@ from redraft.core.dataset.format import (
 )
 from redraft.core.dataset.fp8 import dequantize_fp8
 from redraft.core.dataset.shard_record import recorded_sha256
-from redraft.core.dataset.writer import count_tokens, shard_loss_tokens
+from redraft.core.dataset.token_counts import count_tokens
+from redraft.core.dataset.writer import shard_loss_tokens
 from redraft.core.options import option
 
 logger = logging.getLogger(__name__)

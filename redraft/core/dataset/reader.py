@@ -31,6 +31,7 @@ from redraft.core.dataset.format import (
 )
 from redraft.core.dataset.fp8 import decode_hidden
 from redraft.core.dataset.stored import StoredSample, stored_problems
+from redraft.core.dataset.token_counts import count_tokens
 
 
 class DatasetReader:
@@ -232,8 +233,6 @@ class DatasetReader:
     def token_counts(self) -> torch.Tensor:
         """int64 [vocab_size] loss-masked token counts (for draft-vocabulary selection)."""
         if self._partial:
-            from redraft.core.dataset.writer import count_tokens
-
             return count_tokens(self._paths, int(self.manifest["vocab_size"]))
         path = self.root / COUNTS_NAME
         if not path.is_file():

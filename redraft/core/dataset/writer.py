@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import safe_open
 
 from redraft.core.atomic import atomic_open, atomic_write_bytes, temp_name
 from redraft.core.dataset.format import (
@@ -43,6 +43,7 @@ from redraft.core.dataset.format import (
 from redraft.core.dataset.fp8 import encode_hidden, put_hidden
 from redraft.core.dataset.safetensors_bytes import data_order, header_bytes, serialize, tensor_bytes
 from redraft.core.dataset.shard_record import recorded_info, write_record
+from redraft.core.dataset.token_counts import count_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -362,39 +363,6 @@ def read_shard_info(root: Path, index: int, *, rehash: bool = False) -> ShardInf
     )
     write_record(root, index, info)
     return info
-
-
-_COUNT_BATCH_IDS = 1 << 24  # ids counted per bincount: one pass over the vocabulary per batch, not per shard
-
-
-def count_tokens(shard_paths: list[Path], vocab_size: int) -> torch.Tensor:
-    """int64 [vocab_size] counts of loss-masked tokens, reading only input_ids/loss_mask of each shard.
-
-    The ids of consecutive shards are counted together (up to _COUNT_BATCH_IDS at a time): a bincount over
-    Kimi's 163,840-id vocabulary per shard cost more than reading the shard's ids at 2,000 small shards."""
-    counts = torch.zeros(vocab_size, dtype=torch.int64)
-    pending: list[torch.Tensor] = []
-    held = 0
-    for path in shard_paths:
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                ids = f.get_tensor("input_ids")
-                mask = f.get_tensor("loss_mask").bool()
-        except SafetensorError as e:
-            raise DatasetError(f"{path}: not a readable safetensors file (truncated or corrupt): {e}") from e
-        sel = ids[mask]
-        if sel.numel() and (int(sel.max()) >= vocab_size or int(sel.min()) < 0):
-            raise DatasetError(
-                f"{path}: key 'input_ids' holds id {int(sel.max())} outside vocab_size {vocab_size}"
-            )
-        pending.append(sel)
-        held += sel.numel()
-        if held >= _COUNT_BATCH_IDS:
-            counts += torch.bincount(torch.cat(pending).long(), minlength=vocab_size)
-            pending, held = [], 0
-    if pending:
-        counts += torch.bincount(torch.cat(pending).long(), minlength=vocab_size)
-    return counts
 
 
 def _sum_skipped(*parts: Mapping[str, int]) -> dict[str, int]:
