@@ -5,8 +5,7 @@
 # Sizes live in configs/demo/*.yaml; DEMO_OUT (default demo-out) is where everything goes.
 # DEMO_SCALE=small|default|large or a multiplier (e.g. 0.5, 2) resizes the run: samples, regenerated
 # tokens, train steps (small ~1/3 of default's time, large ~3x); a non-default scale writes to
-# demo-out-$DEMO_SCALE unless DEMO_OUT is set. DEMO_TRAIN_STEPS still overrides the step count, DEMO_TTT_STEPS the
-# draft steps trained per position (configs/demo/train.yaml's 7; CI's engine lanes compare chains of 3 and train 3).
+# demo-out-$DEMO_SCALE unless DEMO_OUT is set. DEMO_TRAIN_STEPS still overrides the step count.
 # DEMO_PROCS=1 trains in one process (two micro-batches per step: the same tokens per step as the two DeepSpeed
 # processes, in another order) where the two would only share a busy core (CI's engine-truth lane).
 # Rerunning resumes: complete shards and checkpoints are kept.
@@ -30,8 +29,6 @@ case "$SCALE" in
 esac
 if [ "$SCALE" = default ]; then OUT=${DEMO_OUT:-demo-out}; else OUT=${DEMO_OUT:-demo-out-$SCALE}; fi
 TRAIN_STEPS=${DEMO_TRAIN_STEPS:-$STEPS}
-TTT_ARGS=()
-[ -z "${DEMO_TTT_STEPS:-}" ] || TTT_ARGS=(--ttt-steps "$DEMO_TTT_STEPS")
 PROCS=${DEMO_PROCS:-2}
 case "$PROCS" in
   1) LAUNCH=("$PY" train/main.py --grad-accum 2); HOW="1 process, 2 micro-batches per step" ;;
@@ -51,7 +48,7 @@ echo "== 2/5 verify"
 
 echo "== 3/5 train: $OUT/drafter ($HOW)"
 "${LAUNCH[@]}" --config configs/demo/train.yaml --data "$OUT/data" --out "$OUT/drafter" \
-  --max-steps "$TRAIN_STEPS" ${TTT_ARGS[@]+"${TTT_ARGS[@]}"} --resume auto --report-to none
+  --max-steps "$TRAIN_STEPS" --resume auto --report-to none
 
 echo "== 4/5 offline acceptance (held-out split recorded at training)"
 "$PY" -m eval.acceptance "$OUT/drafter" --data "$OUT/data" --steps 5 --no-progress \

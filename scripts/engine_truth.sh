@@ -146,8 +146,7 @@ make_smollm2_inputs() {
             echo "  reusing the demo drafter $DRAFTER/$(cat "$DRAFTER/latest")"
         else
             echo "  training the demo drafter (scripts/demo.sh, log $WORK/demo.log)"
-            if ! DEMO_OUT="$WORK/demo" DEMO_PROCS="${ENGINE_TRUTH_DEMO_PROCS:-1}" DEMO_TTT_STEPS="${ENGINE_TRUTH_TTT_STEPS:-}" \
-                    PYTHON="$PY" bash scripts/demo.sh \
+            if ! DEMO_OUT="$WORK/demo" DEMO_PROCS="${ENGINE_TRUTH_DEMO_PROCS:-1}" PYTHON="$PY" bash scripts/demo.sh \
                     >"$WORK/demo.log" 2>&1; then
                 tail -n 40 "$WORK/demo.log" | sed 's/^/  /'; echo "engine-truth: the demo failed" >&2; exit 1
             fi
@@ -264,7 +263,9 @@ make_kimi_inputs() {
 }
 
 # train_once NAME RUN ARGS...: train/main.py ARGS --out RUN, reused when RUN holds a complete checkpoint;
-# ENGINE_TRUTH_TTT_STEPS (unset: each config's own) comes first, so a recipe's own --ttt-steps (DFlash's block) wins
+# ENGINE_TRUTH_TTT_STEPS (unset: each config's own) comes first, so a recipe's own --ttt-steps (DFlash's block) wins;
+# the demo drafter (scripts/demo.sh) keeps its config's 7: trained at 3, one of SGLang's 12 chain requests differed
+# from the walk by one draft at 37eab60 (a near-tie of the drafter's argmax), where the 7-step drafter is exact
 train_once() {
     local name=$1 run=$2 ttt=(); shift 2
     [ -z "${ENGINE_TRUTH_TTT_STEPS:-}" ] || ttt=(--ttt-steps "$ENGINE_TRUTH_TTT_STEPS")

@@ -57,9 +57,9 @@ def _save(model: nn.Module, tokenizer, path: str | Path) -> Path:
 
 
 def tiny_llama_config(vocab_size: int, num_layers: int = 6, tie_word_embeddings: bool = False,
-                      heads: tuple[int, int] = (4, 2)) -> LlamaConfig:
+                      heads: tuple[int, int] = (4, 2), max_positions: int = 4096) -> LlamaConfig:
     """``heads``: (query, key/value) heads of the 64-wide model; (2, 1) gives head_dim 32, which vLLM CPU's
-    attention supports (16 it refuses)."""
+    attention supports (16 it refuses). ``max_positions``: its context (the long-sample tests' 32K and more)."""
     return LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=64,
@@ -67,7 +67,7 @@ def tiny_llama_config(vocab_size: int, num_layers: int = 6, tie_word_embeddings:
         num_hidden_layers=num_layers,
         num_attention_heads=heads[0],
         num_key_value_heads=heads[1],
-        max_position_embeddings=4096,
+        max_position_embeddings=max_positions,
         rms_norm_eps=1e-5,
         tie_word_embeddings=tie_word_embeddings,
         initializer_range=0.1,
@@ -104,12 +104,12 @@ def tiny_deepseek_v3_config(vocab_size: int, num_layers: int = 6) -> DeepseekV3C
 
 def make_tiny_llama(
     path: str | Path, vocab_size: int | None = None, num_layers: int = 6, *, tie_word_embeddings: bool = False,
-    seed: int = 0, chat: str = "chatml", heads: tuple[int, int] = (4, 2),
+    seed: int = 0, chat: str = "chatml", heads: tuple[int, int] = (4, 2), max_positions: int = 4096,
 ) -> Path:
     """A 64-wide LlamaForCausalLM (GQA 4/2 heads by default); vocab defaults to len(tokenizer)."""
     tok = build_chat_tokenizer(chat)
     torch.manual_seed(seed)
-    cfg = tiny_llama_config(_vocab(tok, vocab_size), num_layers, tie_word_embeddings, heads)
+    cfg = tiny_llama_config(_vocab(tok, vocab_size), num_layers, tie_word_embeddings, heads, max_positions)
     return _save(AutoModelForCausalLM.from_config(cfg), tok, path)
 
 
