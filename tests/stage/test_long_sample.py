@@ -32,8 +32,8 @@ CHARS = 80_000  # the tiny chat tokenizer reads ~2 characters a token: a chat of
 
 def joined_chat(chars: int) -> dict:
     """One ShareGPT record: chitchat's conversations, each one turn ("A: ..." / "B: ..." lines), speakers alternating,
-    until ``chars`` characters. (Each of chitchat's short messages a turn of its own would be ~1,500 turns: the chat
-    template's rendering per assistant turn makes tokenization quadratic in turns, 73 s here.)"""
+    until ``chars`` characters (36 turns). Each of chitchat's messages a turn of its own would be 979 turns, and the
+    chat template rendered once per assistant turn makes tokenization grow as turns x length: 73 s here."""
     turns: list[str] = []
     for text in transcripts(chitchat_records()):
         turns.append(text)
