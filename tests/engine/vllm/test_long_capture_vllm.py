@@ -10,37 +10,19 @@ extraction does. In fp32, per aux layer: median relative difference <= 1e-5 and 
 
 from __future__ import annotations
 
-import json
-
-import torch
-from capture_speed import compare_captures
 from helpers_embedded import vllm_venv_python
+from helpers_long import LENGTH, TEACHER, assert_equal_capture, long_sample
 
-from extract.backends.base import TeacherSpec
-from extract.backends.hf import HFTarget
 from extract.backends.vllm import VLLMTarget
-from redraft.catalog.tiny_models import make_tiny_llama
-
-LENGTH = 32_800
-MEDIAN_REL, TOP1 = 1e-5, 0.999
-TEACHER = TeacherSpec(kinds=("topk",), topk=8)
 
 
 def test_a_32k_sample_through_vllm_equals_the_chunked_hf_capture(tmp_path):
     py = vllm_venv_python()
-    target = make_tiny_llama(tmp_path / "target", num_layers=4, heads=(2, 1), max_positions=65_536)
-    hf = HFTarget(str(target), chunk_tokens=8192)
-    ids = torch.randint(4, hf.info.vocab_size, (LENGTH,), generator=torch.Generator().manual_seed(0)).tolist()
-    ours = hf.capture([ids], TEACHER)
+    target, hf, ids, ours = long_sample(tmp_path)
     # max_length one above the sample: vLLM refuses a prompt of max_model_len tokens (the backend asks one more)
     engine = VLLMTarget(str(target), python=py, max_length=LENGTH + 1, kv_cache_bytes=1 << 29)
     try:
         theirs = engine.capture([ids], TEACHER)
     finally:
         engine.close()
-    assert theirs[0].aux_hidden.shape == ours[0].aux_hidden.shape == (LENGTH, 3 * hf.info.hidden_size)
-    stats = compare_captures(ours, theirs, hf.info.hidden_size, len(hf.info.aux_layer_ids))
-    print(json.dumps(stats))
-    for k, layer in enumerate(stats["layers"]):
-        assert layer["median"] <= MEDIAN_REL, (k, layer)
-    assert stats["top1_equal"] >= TOP1, stats
+    assert_equal_capture(hf, ours, theirs)
