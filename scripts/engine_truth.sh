@@ -265,7 +265,7 @@ make_kimi_inputs() {
 # train_once NAME RUN ARGS...: train/main.py ARGS --out RUN, reused when RUN holds a complete checkpoint;
 # ENGINE_TRUTH_TTT_STEPS (unset: each config's own) comes first, so a recipe's own --ttt-steps (DFlash's block) wins;
 # the demo drafter (scripts/demo.sh) keeps its config's 7: trained at 3, one of SGLang's 12 chain requests differed
-# from the walk by one draft at 37eab60 (a near-tie of the drafter's argmax), where the 7-step drafter is exact
+# from the walk by one draft at 37eab60 (likely a near-tie of its argmax; not checked), where the 7-step one has been exact
 train_once() {
     local name=$1 run=$2 ttt=(); shift 2
     [ -z "${ENGINE_TRUTH_TTT_STEPS:-}" ] || ttt=(--ttt-steps "$ENGINE_TRUTH_TTT_STEPS")
