@@ -63,9 +63,6 @@ RECIPES = {
 }
 
 
-LOG_FORMAT = "%(asctime)s %(name)s: %(message)s"  # this command's log lines (redraft.core.cli.run sets logging up with it)
-
-
 @dataclass
 class Deployment:
     engine: str
@@ -278,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=32, help="tokens per reply, in training and in the probe")
     ap.add_argument("--work", default="", help="working folder, reused when run again (default: a temporary one)")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    ending.configure_logging(logging.INFO, "%(asctime)s %(name)s: %(message)s")
     engines = [e for e in args.engines.split(",") if e]
     if not set(engines) <= {"vllm", "sglang"}:
         ap.error(f"--engines {args.engines}: expected vllm and/or sglang")
@@ -312,4 +309,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(ending.run(main, logging.getLogger("benchmarks.doctor_live"), LOG_FORMAT))
+    sys.exit(ending.run(main, logging.getLogger("benchmarks.doctor_live")))

@@ -68,9 +68,6 @@ METHODS = ("eagle3", "eagle3.1", "p-eagle", "dflash")
 GQA_ONLY = ("num_key_value_heads", "head_dim")  # train keys an MLA drafter must not get
 
 
-LOG_FORMAT = "%(asctime)s %(name)s: %(message)s"  # this command's log lines (redraft.core.cli.run sets logging up with it)
-
-
 @dataclass
 class TargetSpec:
     """One target of the comparison and how each kind is trained on it."""
@@ -403,7 +400,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--target", action="append", default=None, metavar="NAME",
                    help="run only this config target (repeatable; default every target): one target's rows")
     a = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    ending.configure_logging(logging.INFO, "%(asctime)s %(name)s: %(message)s")
     cfg = KindsConfig.load(a.config, {"train_prompts": a.train_prompts, "eval_prompts": a.eval_prompts,
                                       "steps": a.steps, "seeds": a.seeds})
     if a.target:
@@ -415,4 +412,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    sys.exit(ending.run(main, logging.getLogger("benchmarks.drafter_kinds"), LOG_FORMAT))
+    sys.exit(ending.run(main, logging.getLogger("benchmarks.drafter_kinds")))

@@ -41,9 +41,6 @@ from redraft.core.atomic import atomic_write_text
 ROOT = Path(__file__).resolve().parents[1]
 log = logging.getLogger("long_context_gain")
 
-LOG_FORMAT = "%(asctime)s %(name)s: %(message)s"  # this command's log lines (redraft.core.cli.run sets logging up with it)
-
-
 def chats_file(count: int, first: int, texts: list[str], max_prompt_tokens: int, out: Path) -> Path:
     """redraft.catalog.long_chats' chats as JSONL, written only when changed, so a rerun reuses the extraction."""
     try:
@@ -89,7 +86,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--engine-truth", action="store_true",
                    help="also hold the long-trained drafter's offline walk against vLLM's own counters per request")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    ending.configure_logging(logging.INFO, "%(asctime)s %(name)s: %(message)s")
     work = args.out
     work.mkdir(parents=True, exist_ok=True)
     stages = Stages(work, args.threads)
@@ -186,4 +183,4 @@ def _truth_summary(truth: dict[str, Any]) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    sys.exit(ending.run(main, logging.getLogger("benchmarks.long_context_gain"), LOG_FORMAT))
+    sys.exit(ending.run(main, logging.getLogger("benchmarks.long_context_gain")))

@@ -67,9 +67,6 @@ HIDDEN_KEYS = ("aux_hidden", "aux_scale")
 TEACHER_KEYS = {"topk": ("topk_ids", "topk_logprobs"), "last_hidden": ("last_hidden", "last_scale")}
 
 
-LOG_FORMAT = "%(asctime)s %(name)s: %(message)s"  # this command's log lines (redraft.core.cli.run sets logging up with it)
-
-
 class BenchError(Failure):
     """A stage failed or the work folder belongs to other settings; the message says which and where."""
 
@@ -757,7 +754,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                     help="OMP threads of extraction, evaluation and 1-process training")
     a = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    ending.configure_logging(logging.INFO, "%(asctime)s %(name)s: %(message)s")
     try:
         cfg = BenchConfig.load(a.config)
         if a.procs is not None:
@@ -773,4 +770,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    sys.exit(ending.run(main, logging.getLogger("benchmarks.retrain_gain"), LOG_FORMAT))
+    sys.exit(ending.run(main, logging.getLogger("benchmarks.retrain_gain")))

@@ -40,9 +40,6 @@ log = logging.getLogger("bench.serving_counters_check")
 FIELDS = ("tau", "num_drafts", "num_accepted_tokens", "num_accepted_tokens_per_pos", "output_tokens")
 
 
-LOG_FORMAT = "%(asctime)s %(name)s: %(message)s"  # this command's log lines (redraft.core.cli.run sets logging up with it)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python benchmarks/serving_counters_check.py", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -58,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    ending.configure_logging(logging.INFO, "%(asctime)s %(name)s: %(message)s")
     target = resolve_target(args.target)
     with tempfile.TemporaryDirectory(prefix="redraft-counters-") as tmp:
         drafter, how = engine_drafter(args.drafter, Path(tmp), str(target), "vllm")
@@ -102,4 +99,4 @@ def table(sides: dict[str, dict[str, Any]]) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(ending.run(main, logging.getLogger("benchmarks.serving_counters_check"), LOG_FORMAT))
+    sys.exit(ending.run(main, logging.getLogger("benchmarks.serving_counters_check")))

@@ -75,9 +75,6 @@ ACCELERATE_CPU_CONFIG = ROOT / "configs/accelerate/cpu-2proc-zero2.yaml"
 DEMO_TRAIN_CONFIG = ROOT / "configs/demo/train.yaml"
 
 
-LOG_FORMAT = "%(asctime)s %(name)s: %(message)s"  # this command's log lines (redraft.core.cli.run sets logging up with it)
-
-
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize()
@@ -395,7 +392,7 @@ def main() -> None:
     if a._worker is not None:
         print(json.dumps(worker(Shape(**json.loads(a._worker)), a.threads, a.repeats)))
         return
-    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    ending.configure_logging(logging.INFO, "%(asctime)s %(name)s: %(message)s")
     shapes = [SHAPES[n] for n in a.shapes.split(",")]
     if a.specforge or a.code:
         side_by_side(a, shapes)
@@ -437,4 +434,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(ending.run(main, logging.getLogger("benchmarks.train_throughput"), LOG_FORMAT))
+    sys.exit(ending.run(main, logging.getLogger("benchmarks.train_throughput")))

@@ -54,9 +54,6 @@ MLA_BROKEN = (("renamed-mla", {"midlayer.self_attn.kv_a_proj_with_mqa.weight": "
 ROOT = Path(__file__).resolve().parents[1]
 
 
-LOG_FORMAT = "[check_engines] %(message)s"  # this command's log lines (redraft.core.cli.run sets logging up with it)
-
-
 @dataclass(frozen=True)
 class Verdict:
     engine: str
@@ -192,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine", default="both", choices=("sglang", "vllm", "both"),
                    help="engines for the good exports (default both)")
     a = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    ending.configure_logging(logging.INFO, "[check_engines] %(message)s")
     exports = a.exports.resolve()
     logdir = exports.parent / "engine-logs"
     engines = ("sglang", "vllm") if a.engine == "both" else (a.engine,)
@@ -238,4 +235,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(ending.run(main, logging.getLogger("conformance.check_engines"), LOG_FORMAT))
+    sys.exit(ending.run(main, logging.getLogger("conformance.check_engines")))

@@ -51,9 +51,6 @@ LOSS_TOL = 1e-6  # relative, on per-step losses (fp32 sums in another order)
 KNOWN_ISSUES: dict[str, str] = {}  # issue name -> explanation; each must still reproduce
 
 
-LOG_FORMAT = "[check_specforge] %(message)s"  # this command's log lines (redraft.core.cli.run sets logging up with it)
-
-
 @dataclass(frozen=True)
 class Case:
     name: str
@@ -302,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("work", type=Path)
     p.add_argument("--sf-python", required=True, help="python of the venv built by conformance/make_venv.sh specforge")
     a = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    ending.configure_logging(logging.INFO, "[check_specforge] %(message)s")
     torch.set_num_threads(1)
     problems: list[str] = []
     observed: set[str] = set()
@@ -330,4 +327,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(ending.run(main, logging.getLogger("conformance.check_specforge"), LOG_FORMAT))
+    sys.exit(ending.run(main, logging.getLogger("conformance.check_specforge")))

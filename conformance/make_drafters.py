@@ -65,9 +65,6 @@ MLA_DRAFTERS = {
 }
 
 
-LOG_FORMAT = "[make_drafters] %(message)s"  # this command's log lines (redraft.core.cli.run sets logging up with it)
-
-
 def run(cmd: list[str]) -> None:
     """Run one product command from the repo root; its failure is the lane's failure."""
     log.info("$ %s", " ".join(cmd))
@@ -205,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("which", choices=("demo", "demo-mla", "kimi", "warm", "mla"))
     p.add_argument("work", type=Path)
     a = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    ending.configure_logging(logging.INFO, "[make_drafters] %(message)s")
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     a.work.mkdir(parents=True, exist_ok=True)
     if a.which == "demo":
@@ -222,4 +219,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(ending.run(main, logging.getLogger("conformance.make_drafters"), LOG_FORMAT))
+    sys.exit(ending.run(main, logging.getLogger("conformance.make_drafters")))

@@ -19,16 +19,16 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _RUN_HANDLERS: list[logging.Handler] = []  # the handler run() installed, which configure_logging may retune
 
 
-def run(main: Callable[[], Any], log: logging.Logger, log_format: str = LOG_FORMAT) -> int:
+def run(main: Callable[[], Any], log: logging.Logger) -> int:
     """Call ``main``; its exit code when it returns one (an int), else 0; 2 on a ``UserError`` (one line), the
     failure's code on a ``Failure`` (one line); anything else is raised (a bug: its traceback, exit 1).
 
-    Logging is set up here, before ``main`` (INFO, ``log_format``), unless something already did, so that even a
+    Logging is set up here, before ``main`` (INFO, :data:`LOG_FORMAT`), unless something already did, so that even a
     mistake found while parsing gets its line. A command that learns its level or format later (``-q``, a rank)
     calls :func:`configure_logging`, which retunes this set-up; a ``basicConfig`` inside ``main`` would not count."""
     root = logging.getLogger()
     if not root.handlers:
-        logging.basicConfig(level=logging.INFO, format=log_format)
+        logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
         _RUN_HANDLERS[:] = root.handlers[:1]
     try:
         rc = main()
