@@ -376,7 +376,7 @@ def export_checkpoint(ecfg: ExportConfig) -> ExportResult:
 
 @dataclass(kw_only=True)
 class ExportOptions:
-    """The options of python -m eval.export (redraft.core.options); ``parse_args`` maps them onto an ExportConfig."""
+    """The options of python -m eval.export (redraft.core.options); ``export_config`` maps them onto an ExportConfig."""
 
     ckpt: str = option(help="a redraft step-* folder, a run folder (its 'latest' is followed, else the newest "
                             "step-*), or a foreign SGLang/SpecForge drafter folder (config.json + model.safetensors)",
@@ -446,8 +446,8 @@ def build_parser() -> argparse.ArgumentParser:
     return options.build_parser(ExportOptions, prog=PROG, description=DESCRIPTION, epilog=EPILOG)
 
 
-def parse_args(argv: list[str]) -> ExportConfig:
-    a = parse_options(argv)
+def export_config(a: ExportOptions) -> ExportConfig:
+    """The parsed options as one export's ExportConfig."""
     plan = LaunchPlan(steps=a.steps, topk=a.topk, num_draft_tokens=a.num_draft_tokens, tp=a.tp,
                       max_running_requests=a.max_running_requests, cuda_graph_max_bs=a.cuda_graph_max_bs,
                       trust_remote_code=a.trust_remote_code)
@@ -460,12 +460,13 @@ def parse_args(argv: list[str]) -> ExportConfig:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        ecfg = parse_args(argv)
+        opts = parse_options(argv)
+        ecfg = export_config(opts)
     except ConfigError as e:
         logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
         log.error("%s", e)
         return 2
-    ending.configure_logging(logging.WARNING if "-q" in argv or "--quiet" in argv else logging.INFO,
+    ending.configure_logging(logging.WARNING if opts.quiet else logging.INFO,
                              "%(levelname)s %(name)s: %(message)s")
     try:
         result = export_checkpoint(ecfg)

@@ -512,10 +512,11 @@ def test_export_of_a_trained_run_finds_its_target_through_the_record(tmp_path, c
     assert cfg == ref_cfg and all(torch.equal(back[k], ref[k]) for k in ref)
 
 
-@pytest.mark.parametrize("quiet", [False, True])
-def test_the_command_line_is_quiet_when_asked(tmp_path, quiet):
-    """`python -m eval.export ... -q` through the runner every command ends by (redraft.core.cli.run sets logging up
-    before main): the export's INFO line only without -q, the serving command either way."""
+@pytest.mark.parametrize("how", ["", "-q", "config"])
+def test_the_command_line_is_quiet_when_asked(tmp_path, how):
+    """`python -m eval.export ... -q` (or `quiet: true` in its --config file) through the runner every command ends by
+    (redraft.core.cli.run sets logging up before main): the export's INFO line only when not asked to be quiet, the
+    serving command either way."""
     import subprocess
     import sys
 
@@ -523,9 +524,10 @@ def test_the_command_line_is_quiet_when_asked(tmp_path, quiet):
 
     src = tmp_path / "step-0000007"
     write_ckpt(src)
+    quiet = {"": [], "-q": ["-q"], "config": ["--config", str(tmp_path / "export.yaml")]}[how]
+    (tmp_path / "export.yaml").write_text("quiet: true\n")
     res = subprocess.run([sys.executable, "-m", "eval.export", str(src), str(tmp_path / "out"), "--format", "vllm",
-                          "--dtype", "fp32", *(["-q"] if quiet else [])], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120)
+                          "--dtype", "fp32", *quiet], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert "vllm serve" in res.stdout
-    assert any("INFO" in line.split() and ": exported " in line for line in res.stderr.splitlines()) is not quiet
+    assert any("INFO" in line.split() and ": exported " in line for line in res.stderr.splitlines()) is not bool(how)
